@@ -1,0 +1,49 @@
+"""Turn a ShardingPlan into ``fully_shard`` calls on a device mesh."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from .plan import ShardingPlan
+
+
+def build_mesh(device_type: str, world_size: int, replicate_degree: int = 1) -> DeviceMesh:
+    """1-D mesh for FSDP, or a (replicate, shard) 2-D mesh for HSDP when replicate_degree > 1."""
+    if replicate_degree > 1:
+        return init_device_mesh(device_type, (replicate_degree, world_size // replicate_degree),
+                                mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+
+
+def apply_plan(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, *,
+               mp_policy: Optional[MixedPrecisionPolicy] = None,
+               cpu_offload: bool = False) -> nn.Module:
+    """Shard ``model`` in place, unit by unit (inner units first, the root last)."""
+    modules = dict(model.named_modules())
+    kwargs = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    if cpu_offload:
+        # pin_memory needs an accelerator; without one FSDP2 fails to start with it.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    for unit in plan.units:
+        targets = [modules[p] for p in unit.module_paths]
+        fully_shard(targets if len(targets) > 1 else targets[0],
+                    reshard_after_forward=unit.reshard_after_forward, **kwargs)
+    model.register_load_state_dict_pre_hook(_shard_full_tensors)
+    return model
+
+
+def _shard_full_tensors(module, state_dict, prefix, *_):
+    """Let ``load_state_dict`` take full tensors (fairseq's checkpoints hold full tensors):
+    each is cut into this rank's shard of the matching DTensor, without communication."""
+    # remove_duplicate=False: a tied weight is loaded under each of its aliases
+    own = dict(module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False))
+    for key, value in state_dict.items():
+        target = own.get(key)
+        if isinstance(target, DTensor) and not isinstance(value, DTensor):
+            state_dict[key] = distribute_tensor(value.to(target.device, target.dtype), target.device_mesh,
+                                                target.placements, src_data_rank=None)

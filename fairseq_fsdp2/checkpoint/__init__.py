@@ -1,0 +1,1 @@
+"""Checkpoint state for sharded training."""

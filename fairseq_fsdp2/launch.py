@@ -1,0 +1,99 @@
+"""How an FSDP2 run starts and ends: launch settings, option checks, clean exit.
+
+Wraps fairseq's ``distributed_utils.call_main`` (installed by ``registration.py``):
+- ``--ddp-backend fully_sharded`` (legacy, fairscale) is served by FSDP2;
+- under torchrun (``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` set) no other distributed flag is needed;
+  SLURM launches go through fairseq's own detection; a plain single process gets a 1-rank group;
+- gloo on CPU, NCCL on CUDA;
+- bad options stop here with one line and exit status 2, before any work;
+- a successful distributed run exits 0: torch's gloo/device-mesh teardown aborts at interpreter
+  exit in about half of CPU runs, so after a clean finish the process group is destroyed and the
+  process ends with ``os._exit(0)``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+from omegaconf import open_dict
+
+from .options import FSDP2_BACKEND, LEGACY_FSDP_BACKEND, OptionError, validate
+
+logger = logging.getLogger(__name__)
+
+TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+DEBUG_ENV = "FAIRSEQ_FSDP2_DEBUG"  # set to 1 for tracebacks instead of one-line errors
+
+
+def call_main(fairseq_call_main, cfg, main, **kwargs):
+    """Stand-in for fairseq's call_main: prepares FSDP2 runs, leaves other backends alone."""
+    try:
+        is_fsdp2 = prepare(cfg)
+    except OptionError as e:
+        if os.environ.get(DEBUG_ENV):
+            raise
+        print(f"fairseq_fsdp2: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    fairseq_call_main(cfg, main, **kwargs)
+    if is_fsdp2 and dist.is_initialized():
+        _exit_cleanly()
+
+
+def prepare(cfg) -> bool:
+    """Fill in launch settings for the FSDP2 backend and check the options. True if FSDP2."""
+    dt = cfg.distributed_training
+    if dt.ddp_backend == LEGACY_FSDP_BACKEND:
+        logger.info("--ddp-backend fully_sharded is served by PyTorch FSDP2 (fairseq_fsdp2); "
+                    "fairscale is not used")
+        dt.ddp_backend = FSDP2_BACKEND
+    if dt.ddp_backend != FSDP2_BACKEND:
+        return False
+    with open_dict(dt):
+        if dt.distributed_init_method is None:
+            if all(k in os.environ for k in TORCHRUN_ENV):
+                dt.distributed_init_method = "env://"
+                dt.distributed_world_size = int(os.environ["WORLD_SIZE"])
+                dt.distributed_rank = int(os.environ["RANK"])
+                dt.device_id = int(os.environ.get("LOCAL_RANK", 0))
+                dt.distributed_no_spawn = True
+            elif dt.distributed_world_size <= 1 and not _under_slurm():
+                # one process: FSDP2 still needs a process group (a 1-rank mesh)
+                dt.distributed_init_method = f"tcp://127.0.0.1:{_free_port()}"
+                dt.distributed_world_size = 1
+                dt.distributed_rank = 0
+                dt.distributed_no_spawn = True
+        on_cuda = torch.cuda.is_available() and not cfg.common.cpu
+        if not on_cuda and dt.distributed_backend == "nccl":
+            dt.distributed_backend = "gloo"
+    validate(dt, min_params_to_wrap=getattr(cfg.model, "min_params_to_wrap", 0),
+             fp16=cfg.common.fp16, bf16=cfg.common.bf16,
+             world_size=dt.distributed_world_size)
+    for flag, name in ((cfg.optimization.use_bmuf, "--use-bmuf"),
+                       (dt.zero_sharding != "none", "--zero-sharding"),
+                       (cfg.common.model_parallel_size > 1, "--model-parallel-size > 1")):
+        if flag:
+            raise OptionError(f"{name} cannot be combined with --ddp-backend fsdp2")
+    return True
+
+
+def _under_slurm() -> bool:
+    return "SLURM_STEP_NODELIST" in os.environ or "SLURM_JOB_NODELIST" in os.environ
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _exit_cleanly() -> None:
+    dist.barrier()
+    dist.destroy_process_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,0 +1,92 @@
+"""The plugin's options: one dataclass, validated in one place.
+
+The options live in fairseq's ``distributed_training`` group (a subclass of fairseq's
+``DistributedTrainingConfig``), so they are kebab-case flags on the command line
+(``--fsdp2-root-reshard always``) and the same keys in hydra
+(``distributed_training.fsdp2_root_reshard=always``). ``registration.py`` installs the class.
+"""
+
+from dataclasses import dataclass, field
+
+from fairseq.dataclass.configs import DistributedTrainingConfig
+from fairseq.dataclass.constants import DDP_BACKEND_CHOICES, ChoiceEnum
+
+#: Backends this plugin serves. ``fully_sharded`` is fairseq's legacy (fairscale) FSDP; with the
+#: plugin loaded it runs on FSDP2 so that legacy command lines keep working.
+FSDP2_BACKEND = "fsdp2"
+LEGACY_FSDP_BACKEND = "fully_sharded"
+SERVED_BACKENDS = (FSDP2_BACKEND, LEGACY_FSDP_BACKEND)
+
+DDP_BACKEND_WITH_FSDP2 = ChoiceEnum([c.value for c in DDP_BACKEND_CHOICES] + [FSDP2_BACKEND])
+ROOT_RESHARD_CHOICES = ChoiceEnum(["default", "always"])
+
+
+class OptionError(ValueError):
+    """A bad plugin option. Reported as one line before any work is done."""
+
+
+@dataclass
+class FSDP2DistributedTrainingConfig(DistributedTrainingConfig):
+    """fairseq's distributed options plus the FSDP2 backend's own."""
+
+    # Redeclared only to admit the new value; fairseq validates it against this type.
+    ddp_backend: DDP_BACKEND_WITH_FSDP2 = field(
+        default="pytorch_ddp",
+        metadata={"help": "DistributedDataParallel backend (fsdp2: PyTorch fully_shard, "
+                          "from the fairseq_fsdp2 plugin)"},
+    )
+    fsdp2_root_reshard: ROOT_RESHARD_CHOICES = field(
+        default="default",
+        metadata={"help": "FSDP2: what the root unit and the shared-embedding unit do after "
+                          "forward. 'default': keep their parameters gathered until backward "
+                          "(PyTorch's choice for the root; no re-gather, more memory). "
+                          "'always': reshard them and gather again in backward (less memory, "
+                          "one more all-gather per step)"},
+    )
+    fsdp2_reshard_degree: int = field(
+        default=0,
+        metadata={"help": "FSDP2: after forward, reshard the per-layer units to groups of this "
+                          "many ranks instead of the whole shard group (must divide it); "
+                          "0: follow --no-reshard-after-forward"},
+    )
+    fsdp2_replicate_degree: int = field(
+        default=1,
+        metadata={"help": "FSDP2: HSDP replicas. R > 1 builds an R x (world/R) mesh: "
+                          "parameters are sharded within each group of world/R ranks and "
+                          "replicated across the R groups (e.g. R = number of nodes)"},
+    )
+    fsdp2_no_sync_micro_batches: bool = field(
+        default=False,
+        metadata={"help": "FSDP2: with --update-freq > 1, skip the gradient reduce-scatter on "
+                          "all but the last micro-batch (less communication, but unsharded "
+                          "gradients are kept between micro-batches)"},
+    )
+
+
+def validate(dt: FSDP2DistributedTrainingConfig, *, min_params_to_wrap: int, fp16: bool,
+             bf16: bool, world_size: int) -> None:
+    """Check the plugin's options against each other and the world size.
+
+    Raises OptionError with one line naming the option; called before any work is done.
+    """
+    if min_params_to_wrap is not None and min_params_to_wrap < 0:
+        raise OptionError(f"--min-params-to-wrap must be >= 0, got {min_params_to_wrap}")
+    if fp16 and bf16:
+        raise OptionError("--fp16 and --bf16 are mutually exclusive: choose one")
+    replicate = dt.fsdp2_replicate_degree
+    if replicate < 1:
+        raise OptionError(f"--fsdp2-replicate-degree must be >= 1, got {replicate}")
+    if world_size % replicate != 0:
+        raise OptionError(f"--fsdp2-replicate-degree {replicate} does not divide the world "
+                          f"size {world_size}")
+    shard_size = world_size // replicate
+    degree = dt.fsdp2_reshard_degree
+    if degree < 0:
+        raise OptionError(f"--fsdp2-reshard-degree must be >= 0, got {degree}")
+    if degree > 0 and shard_size % degree != 0:
+        raise OptionError(f"--fsdp2-reshard-degree {degree} does not divide the shard group "
+                          f"size {shard_size} (world size {world_size} / replicate degree "
+                          f"{replicate})")
+    if degree > 0 and dt.no_reshard_after_forward:
+        raise OptionError("--fsdp2-reshard-degree and --no-reshard-after-forward conflict: "
+                          "choose one")

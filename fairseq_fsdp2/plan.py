@@ -1,0 +1,178 @@
+"""The sharding plan: which modules become FSDP2 units, with what reshard setting.
+
+Pure: it reads the model's structure and the options and returns data. No collectives, so it is
+unit-testable in one process; ``apply.py`` turns a plan into ``fully_shard`` calls.
+
+Policy (all of it lives here):
+- fairseq's ``--min-params-to-wrap N``: each transformer layer (an element of a ``layers``
+  ModuleList) with >= N parameters becomes its own unit. ``--checkpoint-activations`` makes
+  it 0, as fairseq does.
+- Modules that share a parameter (the NLLB embedding: encoder input, decoder input, output
+  projection) form one grouped unit. Splitting them would untie the weight.
+- Everything else stays in the root unit.
+- Reshard after forward: layer units follow ``--no-reshard-after-forward`` or
+  ``--fsdp2-reshard-degree``; the root and the shared-embedding unit follow
+  ``--fsdp2-root-reshard`` (they are used at both ends of forward and backward).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch.nn as nn
+
+ReshardSetting = Union[bool, int, None]
+
+ROOT = "root"
+SHARED = "shared"
+LAYER = "layer"
+
+
+class PlanError(ValueError):
+    """The model cannot be sharded as asked (e.g. a tie that crosses a layer unit)."""
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One ``fully_shard`` call: its modules (by path), the parameters it manages, its setting."""
+
+    name: str
+    kind: str  # ROOT, SHARED or LAYER
+    module_paths: tuple[str, ...]
+    num_params: int
+    reshard_after_forward: ReshardSetting  # None: PyTorch decides (False for the root)
+
+
+@dataclass
+class ShardingPlan:
+    units: list[Unit]  # inner units first, the root last (the order of fully_shard calls)
+    total_params: int
+    world_size: int
+    min_params_to_wrap: int
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def root(self) -> Unit:
+        return self.units[-1]
+
+    @property
+    def layer_units(self) -> list[Unit]:
+        return [u for u in self.units if u.kind == LAYER]
+
+    def table(self) -> str:
+        """The plan as a text table, one row a unit."""
+        rows = [("unit", "modules", "params", "% model", "reshard after forward")]
+        for u in self.units:
+            modules = ", ".join(u.module_paths) if u.kind != ROOT else "(everything else)"
+            if len(modules) > 60:
+                modules = modules[:57] + "..."
+            pct = 100.0 * u.num_params / max(self.total_params, 1)
+            rows.append((u.name, modules, f"{u.num_params:,}", f"{pct:.1f}",
+                         describe_reshard(u.reshard_after_forward, u.kind)))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        head = (f"FSDP2 sharding plan: {len(self.units)} units over {self.world_size} rank(s), "
+                f"{self.total_params:,} parameters, --min-params-to-wrap {self.min_params_to_wrap:,}")
+        return "\n".join([head] + lines + [f"WARNING: {w}" for w in self.warnings])
+
+
+def describe_reshard(setting: ReshardSetting, kind: str) -> str:
+    if setting is None:
+        return "False (PyTorch default for the root)" if kind == ROOT else "True (default)"
+    if setting is True or setting is False:
+        return str(setting)
+    return f"to groups of {setting} ranks"
+
+
+def layer_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules fairseq would pass to ``fsdp_wrap``: elements of ``layers`` ModuleLists."""
+    found = []
+    for path, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and path.rsplit(".", 1)[-1] == "layers":
+            found.extend((f"{path}.{i}", layer) for i, layer in enumerate(module))
+    return found
+
+
+def tied_groups(model: nn.Module) -> list[list[str]]:
+    """Groups of module paths whose modules hold the same Parameter object directly.
+
+    A module reachable under several paths (``encoder.embed_tokens is decoder.embed_tokens``)
+    appears once, under its first path.
+    """
+    first_path: dict[int, str] = {}
+    holders: dict[int, list[str]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        mpath = first_path.setdefault(id(module), path)
+        for p in module._parameters.values():
+            if p is not None and mpath not in holders.setdefault(id(p), []):
+                holders[id(p)].append(mpath)
+    # merge parameter-level holder lists that share a module into module groups
+    groups: list[list[str]] = []
+    for paths in holders.values():
+        if len(paths) < 2:
+            continue
+        merged = [g for g in groups if set(g) & set(paths)]
+        new = sorted(set(paths).union(*map(set, merged)))
+        groups = [g for g in groups if g not in merged] + [new]
+    return sorted(groups)
+
+
+def count_params(modules: list[nn.Module], exclude: set[int] = frozenset()) -> int:
+    seen: set[int] = set(exclude)
+    total = 0
+    for m in modules:
+        for p in m.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel()
+    return total
+
+
+def build_plan(model: nn.Module, *, world_size: int, min_params_to_wrap: int,
+               checkpoint_activations: bool = False, no_reshard_after_forward: bool = False,
+               reshard_degree: int = 0, root_reshard: str = "default") -> ShardingPlan:
+    """Compute the plan for ``model``. See the module docstring for the policy."""
+    threshold = 0 if checkpoint_activations else min_params_to_wrap
+    layer_setting: ReshardSetting = (reshard_degree if reshard_degree > 0
+                                     else not no_reshard_after_forward)
+    shared_setting = True if root_reshard == "always" else False
+    root_setting: ReshardSetting = True if root_reshard == "always" else None
+
+    modules = dict(model.named_modules())
+    candidates = layer_candidates(model)
+    layers = [(p, m) for p, m in candidates if count_params([m]) >= threshold]
+
+    groups = tied_groups(model)
+    for g in groups:
+        inside = [p for p in g if any(p == lp or p.startswith(lp + ".") for lp, _ in layers)]
+        if inside and len(inside) < len(g):
+            raise PlanError(f"parameter tie between {', '.join(g)} crosses a layer unit; "
+                            "these modules cannot be grouped into one FSDP2 unit")
+    groups = [g for g in groups if not any(p.startswith(lp + ".") or p == lp
+                                           for p in g for lp, _ in layers)]
+
+    units: list[Unit] = []
+    managed: set[int] = set()
+    for path, m in layers:
+        n = count_params([m], managed)
+        managed.update(id(p) for p in m.parameters())
+        units.append(Unit(path, LAYER, (path,), n, layer_setting))
+    for i, g in enumerate(groups):
+        ms = [modules[p] for p in g]
+        n = count_params(ms, managed)
+        managed.update(id(p) for m in ms for p in m.parameters())
+        units.append(Unit("shared" if len(groups) == 1 else f"shared{i}", SHARED, tuple(g), n,
+                          shared_setting))
+    total = count_params([model])
+    units.append(Unit(ROOT, ROOT, ("",), count_params([model], managed), root_setting))
+
+    plan = ShardingPlan(units, total, world_size, min_params_to_wrap)
+    if world_size > 1 and candidates and not layers:
+        largest = max(count_params([m]) for _, m in candidates)
+        plan.warnings.append(
+            f"--min-params-to-wrap {min_params_to_wrap:,} wraps no layer (the largest has "
+            f"{largest:,} parameters): the layers stay in the root unit, whose parameters are "
+            f"gathered whole on every rank, so peak memory per rank drops little. "
+            f"Use --min-params-to-wrap {largest:,} or less to shard per layer.")
+    return plan

@@ -1,0 +1,56 @@
+"""Everything the plugin changes inside fairseq, in one place, each change with its reason.
+
+Installed once, when ``--user-dir fairseq_fsdp2`` (or ``import fairseq_fsdp2``) imports the
+package. fairseq-train imports the user dir before it builds its argument parser, so the new
+backend value and options are known to argparse, to fairseq's OmegaConf validation and to hydra.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import fairseq.distributed.utils as fairseq_distributed_utils
+import fairseq.options
+import fairseq_cli.train
+from fairseq.dataclass import configs as fairseq_configs
+from fairseq.dataclass.initialize import hydra_init
+
+from . import launch
+from .options import FSDP2DistributedTrainingConfig
+from .trainer import select_trainer
+
+_installed = False
+
+
+def install() -> None:
+    global _installed
+    if _installed:
+        return
+    _installed = True
+
+    # 1. Options: fairseq builds the `distributed_training` group of its argparse parser, its
+    #    OmegaConf schema and its hydra nodes from DistributedTrainingConfig. Point all three at
+    #    the subclass carrying the `fsdp2` backend value and the plugin's options.
+    field = fairseq_configs.FairseqConfig.__dataclass_fields__["distributed_training"]
+    field.type = FSDP2DistributedTrainingConfig
+    field.default = FSDP2DistributedTrainingConfig
+    fairseq_configs.FairseqConfig.__annotations__["distributed_training"] = \
+        FSDP2DistributedTrainingConfig
+    fairseq.options.DistributedTrainingConfig = FSDP2DistributedTrainingConfig
+    hydra_init()  # fairseq registered its hydra nodes at import; register the new schema
+
+    # 2. Trainer: fairseq_cli.train.main looks up `Trainer` when it runs; select ours for fsdp2.
+    #    `python -m fairseq_cli.train` runs that file as __main__, a second module object.
+    fairseq_cli.train.Trainer = select_trainer
+    main_module = sys.modules.get("__main__")
+    if os.path.abspath(getattr(main_module, "__file__", "") or "") == \
+            os.path.abspath(fairseq_cli.train.__file__):
+        main_module.Trainer = select_trainer
+
+    # 3. Launch: fairseq_cli.train and hydra_train start through distributed_utils.call_main;
+    #    wrap it to set up torchrun/single-process/gloo launches, check options first, and exit
+    #    cleanly (see launch.py).
+    original = fairseq_distributed_utils.call_main
+    fairseq_distributed_utils.call_main = functools.wraps(original)(
+        functools.partial(launch.call_main, original))

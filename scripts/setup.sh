@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Create or update .venv with the pinned set. Idempotent: when the pinned files have not changed
+# since the last successful run, it only checks the stamp (a second run takes seconds).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="$root/.venv"
+py="${PYTHON:-python3}"
+stamp="$venv/.fairseq_fsdp2-setup"
+want="$(cat "$root/requirements.txt" "$root/requirements-fairseq.txt" "$root/scripts/setup.sh" | sha256sum | cut -d' ' -f1)"
+
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && "$venv/bin/python" -c "import fairseq, fairseq_fsdp2" 2>/dev/null; then
+  exit 0
+fi
+
+echo "[setup] installing the pinned environment into $venv (first time: about 4 minutes)" >&2
+[[ -x "$venv/bin/python" ]] || "$py" -m venv "$venv"
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+"${pip[@]}" install -r "$root/requirements.txt"
+# fairseq-fixed is an sdist with C/Cython extensions. --no-build-isolation builds it against the
+# torch installed above (an isolated build would download a multi-GB CUDA torch), --no-deps keeps
+# pip from pulling torchaudio, which would replace torch.
+"${pip[@]}" install --no-deps --no-build-isolation -r "$root/requirements-fairseq.txt"
+# The plugin itself, editable, so that `--user-dir fairseq_fsdp2` and `import fairseq_fsdp2` agree.
+"${pip[@]}" install --no-deps --no-build-isolation -e "$root"
+"$venv/bin/python" -c "import torch, fairseq, fairseq_fsdp2; print('[setup] torch', torch.__version__, 'fairseq', fairseq.__version__)" >&2
+echo "$want" > "$stamp"

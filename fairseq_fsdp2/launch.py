@@ -52,6 +52,12 @@ def prepare(cfg) -> bool:
         dt.ddp_backend = FSDP2_BACKEND
     if dt.ddp_backend != FSDP2_BACKEND:
         return False
+    if cfg.common.tpu:
+        if not cfg.common.bf16:
+            raise OptionError("--tpu cannot be combined with --ddp-backend fsdp2")
+        # fairseq turns --bf16 into --tpu (bf16 was TPU-only there); FSDP2 serves bf16 itself.
+        cfg.common.tpu = False
+        dt.tpu = False
     with open_dict(dt):
         if dt.distributed_init_method is None:
             if all(k in os.environ for k in TORCHRUN_ENV):

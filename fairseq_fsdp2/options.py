@@ -46,8 +46,9 @@ class FSDP2DistributedTrainingConfig(DistributedTrainingConfig):
     fsdp2_reshard_degree: int = field(
         default=0,
         metadata={"help": "FSDP2: after forward, reshard the per-layer units to groups of this "
-                          "many ranks instead of the whole shard group (must divide it); "
-                          "0: follow --no-reshard-after-forward"},
+                          "many ranks instead of the whole shard group (a divisor of it other "
+                          "than 1 and itself, e.g. the GPUs per node); 0: follow "
+                          "--no-reshard-after-forward"},
     )
     fsdp2_replicate_degree: int = field(
         default=1,
@@ -83,10 +84,12 @@ def validate(dt: FSDP2DistributedTrainingConfig, *, min_params_to_wrap: int, fp1
     degree = dt.fsdp2_reshard_degree
     if degree < 0:
         raise OptionError(f"--fsdp2-reshard-degree must be >= 0, got {degree}")
-    if degree > 0 and shard_size % degree != 0:
-        raise OptionError(f"--fsdp2-reshard-degree {degree} does not divide the shard group "
-                          f"size {shard_size} (world size {world_size} / replicate degree "
-                          f"{replicate})")
+    if degree > 0 and (shard_size % degree != 0 or degree in (1, shard_size)):
+        # FSDP2 takes only a non-trivial divisor: 1 would be --no-reshard-after-forward and
+        # the shard group size is the default.
+        raise OptionError(f"--fsdp2-reshard-degree {degree} must divide the shard group size "
+                          f"{shard_size} (world size {world_size} / replicate degree "
+                          f"{replicate}) and be neither 1 nor {shard_size}")
     if degree > 0 and dt.no_reshard_after_forward:
         raise OptionError("--fsdp2-reshard-degree and --no-reshard-after-forward conflict: "
                           "choose one")

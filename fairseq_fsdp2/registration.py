@@ -17,6 +17,7 @@ from fairseq.dataclass import configs as fairseq_configs
 from fairseq.dataclass.initialize import hydra_init
 
 from . import launch
+from .checkpoint.safe_load import allow_fairseq_checkpoint_classes
 from .options import FSDP2DistributedTrainingConfig
 from .trainer import select_trainer
 
@@ -54,3 +55,7 @@ def install() -> None:
     original = fairseq_distributed_utils.call_main
     fairseq_distributed_utils.call_main = functools.wraps(original)(
         functools.partial(launch.call_main, original))
+
+    # 4. Loading: fairseq calls torch.load with torch's default weights_only=True, which refuses
+    #    the argparse.Namespace fairseq pickles. Allow-list it (never switch the safety off).
+    allow_fairseq_checkpoint_classes()

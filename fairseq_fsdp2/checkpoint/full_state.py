@@ -42,23 +42,25 @@ def install_optimizer_hooks(torch_optimizer: torch.optim.Optimizer) -> None:
 
 
 def _gather_state(optimizer, state_dict):
-    for per_param in state_dict["state"].values():
-        for name, value in per_param.items():
-            if isinstance(value, DTensor):
-                per_param[name] = value.full_tensor().cpu()
+    # New dicts: torch's state_dict() shares the per-parameter dicts with the live state.
+    state_dict["state"] = {
+        index: {name: value.full_tensor().cpu() if isinstance(value, DTensor) else value
+                for name, value in per_param.items()}
+        for index, per_param in state_dict["state"].items()}
     return state_dict
 
 
 def _shard_state(optimizer, state_dict):
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    for index, per_param in state_dict["state"].items():
-        target = params[int(index)]
-        if not isinstance(target, DTensor):
-            continue
-        for name, value in per_param.items():
-            if torch.is_tensor(value) and not isinstance(value, DTensor) \
-                    and value.shape == target.shape:
-                per_param[name] = distribute_tensor(value.to(target.device, target.dtype),
-                                                    target.device_mesh, target.placements,
-                                                    src_data_rank=None)
+
+    def shard(value, target):
+        if isinstance(target, DTensor) and torch.is_tensor(value) \
+                and not isinstance(value, DTensor) and value.shape == target.shape:
+            return distribute_tensor(value.to(target.device, target.dtype), target.device_mesh,
+                                     target.placements, src_data_rank=None)
+        return value
+
+    state_dict["state"] = {
+        index: {name: shard(value, params[int(index)]) for name, value in per_param.items()}
+        for index, per_param in state_dict["state"].items()}
     return state_dict

@@ -1,0 +1,55 @@
+"""Shared fixtures: the tiny binarized corpus and the tiny model's fairseq-train flags."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+sys.path.insert(0, str(TESTS))
+
+from corpus import make_corpus  # noqa: E402
+
+PLUGIN = str(REPO / "fairseq_fsdp2")
+
+#: A 2+2-layer transformer with shared embeddings: ~46k parameters, trains in seconds.
+TINY_MODEL = [
+    "--task", "translation", "--arch", "transformer", "--share-all-embeddings",
+    "--encoder-layers", "2", "--decoder-layers", "2",
+    "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
+    "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
+    "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
+    "--encoder-normalize-before", "--decoder-normalize-before", "--dropout", "0.1",
+]
+TRAINING = [
+    "--optimizer", "adam", "--lr", "1e-3", "--clip-norm", "1.0",
+    "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+    "--max-tokens", "500", "--log-format", "json", "--log-interval", "1", "--seed", "1",
+    "--cpu", "--no-progress-bar", "--disable-validation",
+]
+STOCK_DDP = ["--ddp-backend", "legacy_ddp", "--distributed-init-method", "env://",
+             "--distributed-no-spawn", "--distributed-backend", "gloo"]
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture
+def train_args(corpus, tmp_path):
+    """fairseq-train arguments for the tiny model; add the backend and run-specific flags."""
+    def build(*extra, save=False, updates=10):
+        args = [str(corpus), "--user-dir", PLUGIN, *TINY_MODEL, *TRAINING,
+                "--max-update", str(updates), "--save-dir", str(tmp_path / "ckpt")]
+        if not save:
+            args.append("--no-save")
+        return args + [str(a) for a in extra]
+    return build
+
+
+def stock_ddp(rank: int, world: int) -> list[str]:
+    """Stock fairseq's own multi-process CPU flags (see the platform notes)."""
+    return STOCK_DDP + ["--distributed-world-size", str(world), "--distributed-rank", str(rank)]

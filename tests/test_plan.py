@@ -1,0 +1,96 @@
+"""The sharding plan, computed in one process on real fairseq models (no collectives)."""
+import pytest
+import torch.nn as nn
+from fairseq import options, tasks
+
+import fairseq_fsdp2  # noqa: F401
+from fairseq_fsdp2.plan import LAYER, ROOT, SHARED, PlanError, build_plan, tied_groups
+from conftest import TINY_MODEL
+
+
+@pytest.fixture(scope="module")
+def model(corpus):
+    args = options.parse_args_and_arch(options.get_training_parser(),
+                                       [str(corpus), *TINY_MODEL])
+    return tasks.setup_task(args).build_model(args)
+
+
+def test_threshold_wraps_each_layer_at_or_above_it(model):
+    layer_params = sum(p.numel() for p in model.encoder.layers[0].parameters())
+    plan = build_plan(model, world_size=2, min_params_to_wrap=layer_params)
+    names = [u.name for u in plan.layer_units]
+    # encoder layers have exactly the threshold; decoder layers (cross-attention) have more
+    assert names == ["encoder.layers.0", "encoder.layers.1", "decoder.layers.0",
+                     "decoder.layers.1"]
+    above = build_plan(model, world_size=2, min_params_to_wrap=layer_params + 1)
+    assert [u.name for u in above.layer_units] == ["decoder.layers.0", "decoder.layers.1"]
+
+
+def test_units_partition_the_parameters(model):
+    plan = build_plan(model, world_size=2, min_params_to_wrap=1)
+    assert sum(u.num_params for u in plan.units) == plan.total_params
+    assert plan.total_params == sum(p.numel() for p in model.parameters())
+    assert plan.units[-1].kind == ROOT
+
+
+def test_shared_embedding_is_one_grouped_unit(model):
+    plan = build_plan(model, world_size=2, min_params_to_wrap=1)
+    shared = [u for u in plan.units if u.kind == SHARED]
+    assert len(shared) == 1
+    assert set(shared[0].module_paths) == {"encoder.embed_tokens", "decoder.output_projection"}
+    assert shared[0].num_params == model.encoder.embed_tokens.weight.numel()
+
+
+def test_no_wrap_warning_only_when_nothing_is_wrapped_on_several_ranks(model):
+    nothing = build_plan(model, world_size=2, min_params_to_wrap=int(1e8))
+    assert nothing.layer_units == []
+    assert len(nothing.warnings) == 1 and "wraps no layer" in nothing.warnings[0]
+    assert "WARNING" in nothing.table()
+    assert build_plan(model, world_size=1, min_params_to_wrap=int(1e8)).warnings == []
+    assert build_plan(model, world_size=2, min_params_to_wrap=1).warnings == []
+
+
+def test_checkpoint_activations_wraps_every_layer_as_fairseq_does(model):
+    plan = build_plan(model, world_size=2, min_params_to_wrap=int(1e8),
+                      checkpoint_activations=True)
+    assert len(plan.layer_units) == 4
+
+
+def test_reshard_settings(model):
+    default = build_plan(model, world_size=4, min_params_to_wrap=1)
+    kinds = {u.kind: u.reshard_after_forward for u in default.units}
+    assert kinds == {LAYER: True, SHARED: False, ROOT: None}
+    always = build_plan(model, world_size=4, min_params_to_wrap=1, root_reshard="always")
+    assert {u.kind: u.reshard_after_forward for u in always.units} == \
+        {LAYER: True, SHARED: True, ROOT: True}
+    kept = build_plan(model, world_size=4, min_params_to_wrap=1, no_reshard_after_forward=True)
+    assert {u.reshard_after_forward for u in kept.layer_units} == {False}
+    degree = build_plan(model, world_size=4, min_params_to_wrap=1, reshard_degree=2)
+    assert {u.reshard_after_forward for u in degree.layer_units} == {2}
+    table = degree.table()
+    assert "to groups of 2 ranks" in table and "PyTorch default for the root" in table
+
+
+def test_table_lists_every_unit_with_its_share(model):
+    plan = build_plan(model, world_size=2, min_params_to_wrap=1)
+    lines = plan.table().splitlines()
+    assert len(lines) == 3 + len(plan.units)  # heading, header, rule, one row a unit
+    assert "encoder.layers.0" in lines[3] and "%" in lines[1]
+
+
+class _TiedAcrossLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.layers = nn.ModuleList([nn.Linear(4, 10)])
+        self.layers[0].weight = self.embed.weight
+
+
+def test_tie_crossing_a_layer_unit_is_refused():
+    m = _TiedAcrossLayer()
+    assert tied_groups(m) == [["embed", "layers.0"]]
+    with pytest.raises(PlanError, match="crosses a layer unit"):
+        build_plan(m, world_size=2, min_params_to_wrap=1)
+    # below the threshold the layer stays unwrapped and the tie is grouped instead
+    plan = build_plan(m, world_size=2, min_params_to_wrap=10 ** 6)
+    assert [u.module_paths for u in plan.units if u.kind == SHARED] == [("embed", "layers.0")]

@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 from omegaconf import open_dict
 
-from .options import FSDP2_BACKEND, LEGACY_FSDP_BACKEND, OptionError, validate
+from .checkpoint.consolidate import consolidate_at_end
+from .errors import FSDP2Error, OptionError
+from .options import FSDP2_BACKEND, LEGACY_FSDP_BACKEND, validate
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +35,14 @@ def call_main(fairseq_call_main, cfg, main, **kwargs):
     """Stand-in for fairseq's call_main: prepares FSDP2 runs, leaves other backends alone."""
     try:
         is_fsdp2 = prepare(cfg)
-    except OptionError as e:
+        fairseq_call_main(cfg, main, **kwargs)
+        if is_fsdp2:
+            _after_training(cfg)
+    except FSDP2Error as e:
         if os.environ.get(DEBUG_ENV):
             raise
         print(f"fairseq_fsdp2: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
-    fairseq_call_main(cfg, main, **kwargs)
     if is_fsdp2 and dist.is_initialized():
         _exit_cleanly()
 
@@ -84,6 +88,17 @@ def prepare(cfg) -> bool:
         if flag:
             raise OptionError(f"{name} cannot be combined with --ddp-backend fsdp2")
     return True
+
+
+def _after_training(cfg) -> None:
+    """Rank 0: export the best/last checkpoints in stock fairseq format."""
+    if cfg.checkpoint.no_save or cfg.distributed_training.fsdp2_no_consolidate:
+        return
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    if os.path.isdir(cfg.checkpoint.save_dir):
+        for path in consolidate_at_end(cfg.checkpoint.save_dir):
+            logger.info(f"wrote consolidated checkpoint {path} (stock fairseq format)")
 
 
 def _under_slurm() -> bool:

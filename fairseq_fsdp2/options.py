@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from fairseq.dataclass.configs import DistributedTrainingConfig
 from fairseq.dataclass.constants import DDP_BACKEND_CHOICES, ChoiceEnum
 
+from .errors import OptionError
+
 #: Backends this plugin serves. ``fully_sharded`` is fairseq's legacy (fairscale) FSDP; with the
 #: plugin loaded it runs on FSDP2 so that legacy command lines keep working.
 FSDP2_BACKEND = "fsdp2"
@@ -19,10 +21,6 @@ SERVED_BACKENDS = (FSDP2_BACKEND, LEGACY_FSDP_BACKEND)
 
 DDP_BACKEND_WITH_FSDP2 = ChoiceEnum([c.value for c in DDP_BACKEND_CHOICES] + [FSDP2_BACKEND])
 ROOT_RESHARD_CHOICES = ChoiceEnum(["default", "always"])
-
-
-class OptionError(ValueError):
-    """A bad plugin option. Reported as one line before any work is done."""
 
 
 @dataclass
@@ -61,6 +59,11 @@ class FSDP2DistributedTrainingConfig(DistributedTrainingConfig):
         metadata={"help": "FSDP2: with --update-freq > 1, skip the gradient reduce-scatter on "
                           "all but the last micro-batch (less communication, but unsharded "
                           "gradients are kept between micro-batches)"},
+    )
+    fsdp2_no_consolidate: bool = field(
+        default=False,
+        metadata={"help": "FSDP2: do not write checkpoint_best/last_consolidated.pt (stock "
+                          "fairseq format, read by fairseq-generate) at the end of training"},
     )
 
 

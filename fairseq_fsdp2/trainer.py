@@ -12,7 +12,6 @@ from itertools import chain
 
 import torch
 import torch.distributed as dist
-from fairseq import utils
 from fairseq.logging import metrics
 from fairseq.optim import lr_scheduler
 from fairseq.trainer import Trainer
@@ -21,7 +20,10 @@ from torch.distributed.tensor import DTensor
 
 from . import precision
 from .apply import apply_plan, build_mesh
-from .checkpoint.full_state import full_model_state_dict, install_optimizer_hooks
+from .checkpoint import sharded
+from .checkpoint.consolidate import read_checkpoint_file
+from .checkpoint.full_state import install_optimizer_hooks
+from .errors import CheckpointError
 from .memory import MemoryMonitor
 from .plan import ShardingPlan, build_plan
 
@@ -43,6 +45,7 @@ class FSDP2Trainer(Trainer):
             super().__init__(cfg, task, model, criterion, quantizer)
         self.sharding_plan: ShardingPlan | None = None
         self._overflowed = False
+        self._loading_from: str | None = None  # the checkpoint file being loaded
         self._memory = MemoryMonitor(
             self.device,
             os.path.join(cfg.checkpoint.save_dir, "memory.jsonl") if cfg.checkpoint.save_dir
@@ -80,6 +83,7 @@ class FSDP2Trainer(Trainer):
         precision.cast_float_buffers(model, dtype)
         apply_plan(model, plan, mesh, mp_policy=precision.mixed_precision_policy(self.cfg.common),
                    cpu_offload=dt.cpu_offload)
+        model.register_load_state_dict_pre_hook(self._load_sharded_model)
         if dt.fsdp2_no_sync_micro_batches:
             # fairseq's update-freq loop calls model.no_sync() on all but the last micro-batch
             # when the model has one; give the sharded model FSDP2's equivalent.
@@ -91,6 +95,7 @@ class FSDP2Trainer(Trainer):
         params = [p for p in chain(self.model.parameters(), self.criterion.parameters())
                   if p.requires_grad]
         self._optimizer = precision.build_optimizer(self.cfg, params)
+        self._optimizer.optimizer.register_load_state_dict_pre_hook(self._load_sharded_optimizer)
         install_optimizer_hooks(self._optimizer.optimizer)
         self._lr_scheduler = lr_scheduler.build_lr_scheduler(self.cfg.lr_scheduler,
                                                              self.optimizer)
@@ -130,14 +135,81 @@ class FSDP2Trainer(Trainer):
         return None
 
     # -- checkpoints ---------------------------------------------------------------------------
+    # fairseq's own save/load code runs unchanged; the model and optimizer entries of its
+    # checkpoint file reference a DCP shard directory (checkpoint/sharded.py), written by every
+    # rank and read back by the hooks below, at any world size.
     @property
     def always_call_state_dict_during_save_checkpoint(self) -> bool:
-        return True  # gathering the full state is a collective: every rank takes part
+        return True  # writing shards is a collective: every rank takes part
 
     def state_dict(self):
-        state = super().state_dict()
-        state["model"] = full_model_state_dict(self.model)
+        state = super().state_dict()  # model and optimizer entries are cheap shard references
+        save_dir = self.cfg.checkpoint.save_dir
+        if self.data_parallel_rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            sharded.remove_unreferenced(save_dir)
+        keep_optimizer = "last_optimizer_state" in state
+        rel = sharded.save(self.model, self.optimizer.optimizer if keep_optimizer else None,
+                           save_dir, self.get_num_updates())
+        buffers = {k: v for k, v in state["model"].items() if not isinstance(v, DTensor)}
+        state["model"] = {sharded.SHARDED: rel, **buffers}  # buffers: tiny, for fairseq's upgrade
+        if keep_optimizer:
+            scale = state["last_optimizer_state"].get("loss_scale")
+            state["last_optimizer_state"] = {sharded.SHARDED: rel,
+                                             **({"loss_scale": scale} if scale else {})}
+        state["fsdp2"] = sharded.header(self.model, rel, self.data_parallel_world_size)
         return state
+
+    def load_checkpoint(self, filename, reset_optimizer=False, reset_lr_scheduler=False,
+                        optimizer_overrides=None, reset_meters=False):
+        info = None
+        if os.path.isfile(filename):
+            state = read_checkpoint_file(filename)
+            info = state.get("fsdp2")
+            if info is not None:
+                shard_dir = sharded.resolve(filename, info["shards"])
+                metadata = sharded.read_metadata(shard_dir, filename)
+                sharded.check_model_matches(self.model, metadata, filename)
+            del state
+        self._loading_from = filename
+        try:
+            extra_state = super().load_checkpoint(filename, reset_optimizer, reset_lr_scheduler,
+                                                  optimizer_overrides, reset_meters)
+        finally:
+            self._loading_from = None
+        if info is not None and extra_state is not None:
+            self._rescale_iterator_position(extra_state, info["world_size"])
+        return extra_state
+
+    def _rescale_iterator_position(self, extra_state, saved_world: int) -> None:
+        """The saved position counts batches per rank; keep the same global position."""
+        now = self.data_parallel_world_size
+        itr = extra_state.get("train_iterator") or {}
+        done = itr.get("iterations_in_epoch", 0) * saved_world
+        if saved_world == now or not done:
+            return
+        if done % now:
+            raise CheckpointError(
+                f"cannot resume mid-epoch at {now} ranks: the checkpoint (saved at "
+                f"{saved_world} ranks) is {done} batches into the epoch, not a multiple of {now}")
+        itr["iterations_in_epoch"] = done // now
+        logger.info(f"resuming a {saved_world}-rank checkpoint on {now} ranks: "
+                    f"{done} batches into epoch {itr.get('epoch')}")
+
+    def _load_sharded_model(self, module, state_dict, prefix, *_):
+        if prefix or sharded.SHARDED not in state_dict:
+            return
+        sharded.load_model(module, sharded.resolve(self._loading_from,
+                                                   state_dict[sharded.SHARDED]))
+        state_dict.clear()
+        state_dict.update(module.state_dict())
+
+    def _load_sharded_optimizer(self, optimizer, state_dict):
+        if sharded.SHARDED not in state_dict:
+            return None
+        sharded.load_optimizer(self.model, optimizer, sharded.resolve(
+            self._loading_from, state_dict[sharded.SHARDED]))
+        return optimizer.state_dict()
 
 
 @contextlib.contextmanager

@@ -138,14 +138,3 @@ def test_precision_and_memory_options_train(train_args, flags):
     assert len(losses) == 10 and losses[-1] < losses[0] - 0.5
 
 
-def test_resume_at_same_world_size_continues_exactly(train_args, tmp_path):
-    save = ["--save-interval-updates", "3", "--no-epoch-checkpoints"]
-    full = ok(run_ranks(2, lambda r: train_args(*FSDP2, *save, save=True, updates=6)))
-    ckpt = tmp_path / "ckpt" / "checkpoint_1_3.pt"
-    assert ckpt.exists()
-    resumed = ok(run_ranks(2, lambda r: train_args(*FSDP2, *save, "--restore-file", ckpt,
-                                                   save=True, updates=6)))
-    assert "Loaded checkpoint" in resumed
-    assert [r["num_updates"] for r in train_inner(resumed)] == ["4", "5", "6"]
-    assert series(resumed, "loss") == series(full, "loss")[3:]
-    assert train_summary(resumed)["train_num_updates"] == "6"

@@ -1,0 +1,156 @@
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP), in fairseq's file layout.
+
+fairseq names, copies and deletes checkpoint *files* (``checkpoint_last.pt``,
+``checkpoint_1_200.pt``, ...). Each stays a small fairseq-format file (cfg, optimizer history,
+lr scheduler, loss scale, iterator position, metrics) whose ``model`` and
+``last_optimizer_state`` entries reference a DCP directory under ``<save-dir>/fsdp2_shards/``
+written by every rank, so no rank ever gathers the full model. Copies share the directory;
+directories no checkpoint file references any more are removed at the next save.
+
+Atomic: shards are written to ``<dir>.tmp`` and renamed when complete, and fairseq then writes
+the small file to ``.tmp`` and renames it, so a kill at any point leaves the previous checkpoint
+of that name intact. DCP reshards on load, so a checkpoint saved at N ranks resumes at M.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict)
+
+from ..errors import CheckpointError
+
+#: Key marking a state entry that lives in a DCP directory (its value: the directory,
+#: relative to the checkpoint file).
+SHARDED = "fsdp2_sharded"
+SHARDS_DIR = "fsdp2_shards"
+FORMAT_VERSION = 1
+
+
+def is_sharded(state: dict) -> bool:
+    return isinstance(state, dict) and SHARDED in state
+
+
+def save(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], save_dir: str,
+         num_updates: int) -> str:
+    """Every rank: write model (and optimizer) shards; returns the directory relative to
+    save_dir. Only complete directories ever carry their final name."""
+    token = [secrets.token_hex(4) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    rel = os.path.join(SHARDS_DIR, f"u{num_updates:08d}-{token[0]}")
+    final = os.path.join(save_dir, rel)
+    tmp = final + ".tmp"
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    dcp.save(state, checkpoint_id=tmp)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.rename(tmp, final)
+    dist.barrier()
+    return rel
+
+
+def header(model: nn.Module, shards: str, world_size: int) -> dict:
+    """What the small file records about the shards, including tied-weight aliases that
+    DCP stores once (fairseq's format lists every alias)."""
+    canonical = {id(p): k for k, p in model.named_parameters()}
+    aliases = {k: canonical[id(p)] for k, p in model.named_parameters(remove_duplicate=False)
+               if canonical[id(p)] != k}
+    return {"version": FORMAT_VERSION, "shards": shards, "world_size": world_size,
+            "aliases": aliases}
+
+
+def resolve(checkpoint_file: str, rel: str) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(checkpoint_file)), rel)
+
+
+def read_metadata(shard_dir: str, checkpoint_file: str):
+    """The DCP metadata, after checking that every shard file it names is there and whole."""
+    if not os.path.isfile(os.path.join(shard_dir, ".metadata")):
+        raise CheckpointError(f"{checkpoint_file}: its shards are missing or incomplete "
+                              f"({os.path.join(shard_dir, '.metadata')} not found)")
+    try:
+        metadata = dcp.FileSystemReader(shard_dir).read_metadata()
+    except Exception as e:  # noqa: BLE001 - reported as one line naming the file
+        raise CheckpointError(f"{shard_dir}/.metadata is unreadable: {e}") from e
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0),
+                                         info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = os.path.join(shard_dir, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"shard file missing: {path}")
+        if os.path.getsize(path) < size:
+            raise CheckpointError(f"shard file truncated: {path} ({os.path.getsize(path)} of "
+                                  f"{size} bytes)")
+    return metadata
+
+
+def check_model_matches(model: nn.Module, metadata, checkpoint_file: str) -> None:
+    """Refuse a checkpoint of another model config, naming the first mismatches."""
+    saved = {k[len("model."):]: getattr(v, "size", None)
+             for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
+    ours = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
+    problems = []
+    for key in sorted(set(saved) | set(ours)):
+        a, b = saved.get(key), ours.get(key)
+        if a is None or b is None:
+            problems.append(f"{key} {'not in checkpoint' if a is None else 'not in model'}")
+        elif tuple(a) != b:
+            problems.append(f"{key} checkpoint {tuple(a)} vs model {b}")
+    if problems:
+        shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more"
+                                           if len(problems) > 3 else "")
+        raise CheckpointError(f"{checkpoint_file} does not fit this model: {shown}")
+
+
+def load_model(model: nn.Module, shard_dir: str) -> None:
+    """Load this rank's model shards in place (DCP reshards across world sizes)."""
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=shard_dir)
+
+
+def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, shard_dir: str) -> None:
+    state = {"optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=shard_dir)
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+
+
+def referenced_dirs(save_dir: str) -> set[str]:
+    """Shard directories (relative) that some checkpoint file in save_dir points to."""
+    found = set()
+    for name in os.listdir(save_dir):
+        if name.endswith(".pt"):
+            try:
+                state = torch.load(os.path.join(save_dir, name), map_location="cpu",
+                                   weights_only=True, mmap=True)
+            except Exception:  # noqa: BLE001 - an unreadable file references nothing
+                continue
+            if isinstance(state, dict) and isinstance(state.get("fsdp2"), dict):
+                found.add(state["fsdp2"]["shards"])
+    return found
+
+
+def remove_unreferenced(save_dir: str) -> list[str]:
+    """Delete shard directories no checkpoint file references (and leftovers of killed
+    saves). Rank 0 only, between saves."""
+    root = os.path.join(save_dir, SHARDS_DIR)
+    if not os.path.isdir(root):
+        return []
+    keep = {os.path.normpath(r) for r in referenced_dirs(save_dir)}
+    removed = []
+    for name in sorted(os.listdir(root)):
+        rel = os.path.normpath(os.path.join(SHARDS_DIR, name))
+        if rel not in keep:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            removed.append(rel)
+    return removed

@@ -21,10 +21,11 @@ from torch.distributed.tensor import DTensor
 from . import precision
 from .apply import apply_plan, build_mesh
 from .checkpoint import sharded
-from .checkpoint.consolidate import read_checkpoint_file
-from .checkpoint.full_state import install_optimizer_hooks
+from .checkpoint.safe_load import read_checkpoint_file
+from .checkpoint.full_state import broadcast_full_model, install_optimizer_hooks
 from .errors import CheckpointError
 from .memory import MemoryMonitor
+from .memory.monitor import current_gb
 from .plan import ShardingPlan, build_plan
 
 logger = logging.getLogger(__name__)
@@ -164,13 +165,16 @@ class FSDP2Trainer(Trainer):
                         optimizer_overrides=None, reset_meters=False):
         info = None
         if os.path.isfile(filename):
-            state = read_checkpoint_file(filename)
+            state = read_checkpoint_file(filename)  # memory-mapped: a cheap look
             info = state.get("fsdp2")
             if info is not None:
                 shard_dir = sharded.resolve(filename, info["shards"])
                 metadata = sharded.read_metadata(shard_dir, filename)
                 sharded.check_model_matches(self.model, metadata, filename)
             del state
+            if info is None and reset_optimizer and reset_lr_scheduler and reset_meters \
+                    and self.data_parallel_world_size > 1:
+                return self._load_pretrained(filename)
         self._loading_from = filename
         try:
             extra_state = super().load_checkpoint(filename, reset_optimizer, reset_lr_scheduler,
@@ -180,6 +184,22 @@ class FSDP2Trainer(Trainer):
         if info is not None and extra_state is not None:
             self._rescale_iterator_position(extra_state, info["world_size"])
         return extra_state
+
+    def _load_pretrained(self, filename):
+        """A stock (consolidated) checkpoint for fine-tuning (--finetune-from-model): rank 0
+        reads it memory-mapped and broadcasts one tensor at a time; every rank keeps only its
+        shards, so no rank but 0 ever holds the full model. Training starts fresh (the
+        optimizer, lr scheduler, meters and data loader are reset, as fairseq does)."""
+        self._memory.reset()
+        before = current_gb(self.device)
+        full = read_checkpoint_file(filename)["model"] if self.data_parallel_rank == 0 else None
+        broadcast_full_model(self.model, full, filename)
+        del full
+        ranks = self._memory.gather({"before_gb": before})
+        logger.info(f"loaded pretrained weights from {filename}; memory per rank before -> peak "
+                    f"during the load (GB): " + ", ".join(
+                        f"{r['before_gb']:.3f} -> {r['peak_gb']:.3f}" for r in ranks))
+        return None
 
     def _rescale_iterator_position(self, extra_state, saved_world: int) -> None:
         """The saved position counts batches per rank; keep the same global position."""

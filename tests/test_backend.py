@@ -107,11 +107,11 @@ def test_root_reshard_setting_takes_effect(corpus):
 
 
 def test_four_ranks_reshard_degree_and_hsdp_match_plain_fsdp(train_args):
-    plain = ok(run_ranks(4, lambda r: train_args(*FSDP2, updates=6)))
+    plain = ok(run_ranks(4, lambda r: train_args(*FSDP2, updates=4)))
     degree = ok(run_ranks(4, lambda r: train_args(*FSDP2, "--fsdp2-reshard-degree", "2",
-                                                  updates=6)))
+                                                  updates=4)))
     hsdp = ok(run_ranks(4, lambda r: train_args(*FSDP2, "--fsdp2-replicate-degree", "2",
-                                                "--fsdp2-root-reshard", "always", updates=6)))
+                                                "--fsdp2-root-reshard", "always", updates=4)))
     assert "to groups of 2 ranks" in degree
     for other in (degree, hsdp):
         assert_close(series(other, "loss"), series(plain, "loss"))

@@ -166,3 +166,52 @@ def test_kill_during_save_leaves_previous_checkpoint_loadable(saved_run, corpus,
     assert not [d for d in os.listdir(save_dir / "fsdp2_shards") if d.endswith(".tmp")]
     full = train_summary(saved_run[2])
     assert train_summary(out)["train_loss"] == full["train_loss"]
+
+
+def test_pretrained_stock_checkpoint_loads_without_full_copies_on_every_rank(corpus, tmp_path):
+    """--finetune-from-model with a stock fairseq checkpoint (as released NLLB ones are): rank 0
+    holds about one full copy while loading, other ranks about their shard plus one tensor."""
+    from conftest import PLUGIN, TRAINING
+    big = ["--task", "translation", "--arch", "transformer", "--share-all-embeddings",
+           "--encoder-layers", "4", "--decoder-layers", "4", "--encoder-embed-dim", "512",
+           "--decoder-embed-dim", "512", "--encoder-ffn-embed-dim", "2048",
+           "--decoder-ffn-embed-dim", "2048"]
+    stock_dir = tmp_path / "stock"
+    # a stock checkpoint, written by fairseq itself (one process, no plugin)
+    proc = subprocess.run([str(BIN / "fairseq-train"), str(corpus), *big, *TRAINING,
+                           "--max-update", "1", "--save-dir", str(stock_dir),
+                           "--no-save-optimizer-state", "--no-epoch-checkpoints"],
+                          env=base_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    pretrained = stock_dir / "checkpoint_last.pt"
+    model = torch.load(pretrained, weights_only=True, mmap=True)["model"]
+    unique = {t.data_ptr(): t for t in model.values()}.values()
+    model_gb = sum(t.numel() * t.element_size() for t in unique) / 2 ** 30
+    largest_gb = max(t.numel() * t.element_size() for t in unique) / 2 ** 30
+    assert model_gb > 0.1
+    out = ok(run_ranks(2, lambda r: [str(corpus), "--user-dir", PLUGIN, *big, *TRAINING, *FSDP2,
+                                     "--finetune-from-model", str(pretrained),
+                                     "--max-update", "2", "--no-save",
+                                     "--save-dir", str(tmp_path / "ft")]))
+    line = next(l for l in out.splitlines() if "loaded pretrained weights" in l)
+    pairs = line.split("(GB): ")[1].split(", ")
+    growth = [float(b) - float(a) for a, b in (p.split(" -> ") for p in pairs)]
+    assert growth[0] < 1.3 * model_gb, (growth, model_gb)
+    assert growth[1] < 0.5 * model_gb / 2 + 1.3 * largest_gb, (growth, model_gb, largest_gb)
+    assert growth[1] < 0.6 * growth[0], growth
+    assert len(train_inner(out)) == 2
+
+
+class _Stranger:
+    """A class no fairseq checkpoint holds."""
+
+
+def test_checkpoint_with_other_classes_is_refused_unless_trusted(tmp_path, monkeypatch):
+    from fairseq_fsdp2.checkpoint.safe_load import TRUSTED_ENV, read_checkpoint_file
+    from fairseq_fsdp2.errors import CheckpointError
+    path = tmp_path / "odd.pt"
+    torch.save({"model": {}, "extra": _Stranger()}, path)
+    with pytest.raises(CheckpointError, match=r"pickles test_checkpoints\._Stranger.*" + TRUSTED_ENV):
+        read_checkpoint_file(str(path))
+    monkeypatch.setenv(TRUSTED_ENV, str(path))
+    assert isinstance(read_checkpoint_file(str(path))["extra"], _Stranger)

@@ -18,22 +18,9 @@ import torch.distributed.checkpoint as dcp
 
 from ..errors import CheckpointError
 from . import sharded
+from .safe_load import read_checkpoint_file
 
 CONSOLIDATED_SUFFIX = "_consolidated.pt"
-
-
-def read_checkpoint_file(path: str) -> dict:
-    """A fairseq checkpoint file, loaded safely; one clear error if unreadable."""
-    if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint not found: {path}")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - truncated, corrupt, or not a checkpoint
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"cannot read checkpoint {path}: {reason[:200]}") from e
-    if not isinstance(state, dict) or "model" not in state:
-        raise CheckpointError(f"{path} is not a fairseq checkpoint (no 'model' entry)")
-    return state
 
 
 def consolidate(checkpoint: str, out: str) -> str:

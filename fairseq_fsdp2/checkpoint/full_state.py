@@ -1,11 +1,16 @@
-"""Loading full (unsharded) optimizer state, as stock fairseq checkpoints hold it, into
-FSDP2-sharded parameters: each tensor is cut into this rank's shard, without communication.
-(The model's full tensors are handled by the pre-hook ``apply.apply_plan`` installs.)
+"""Loading full (unsharded) state, as stock fairseq checkpoints hold it, into an FSDP2-sharded
+model and optimizer: each tensor is cut into this rank's shard.
+(Full model tensors passed to ``load_state_dict`` are handled by ``apply.apply_plan``'s hook.)
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from ..errors import CheckpointError
 
 
 def install_optimizer_hooks(torch_optimizer: torch.optim.Optimizer) -> None:
@@ -31,3 +36,40 @@ def _shard_state(optimizer, state_dict):
         if isinstance(index, int) else per_param
         for index, per_param in state_dict["state"].items()}
     return state_dict
+
+
+def broadcast_full_model(model: torch.nn.Module, full: Optional[dict], describe: str) -> None:
+    """Fill a sharded model from a full state dict held by rank 0 only (``full`` is None on
+    the other ranks), one tensor at a time: each rank receives the tensor, keeps its shard
+    and frees the rest, so no rank but 0 ever holds the full model. ``describe`` names the
+    source in errors."""
+    own, seen = {}, set()
+    for key, target in model.state_dict(keep_vars=True).items():  # persistent state only
+        if id(target) not in seen:  # a tied weight once, under its first name
+            seen.add(id(target))
+            own[key] = target
+    problem = [None]
+    if dist.get_rank() == 0:
+        missing = sorted(set(own) - set(full))
+        wrong = sorted(k for k in set(own) & set(full) if tuple(full[k].shape) != tuple(own[k].shape))
+        if missing or wrong:
+            problem[0] = (f"{describe} does not fit this model: " + "; ".join(
+                [f"{k} not in checkpoint" for k in missing[:3]] +
+                [f"{k} checkpoint {tuple(full[k].shape)} vs model {tuple(own[k].shape)}"
+                 for k in wrong[:3]]))
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise CheckpointError(problem[0])
+    with torch.no_grad():
+        for key, target in own.items():
+            local = target.to_local() if isinstance(target, DTensor) else target
+            if dist.get_rank() == 0:
+                value = full[key].to(local.device, target.dtype).contiguous()
+            else:
+                value = torch.empty(target.shape, dtype=target.dtype, device=local.device)
+            dist.broadcast(value, src=0)
+            if isinstance(target, DTensor):
+                value = distribute_tensor(value, target.device_mesh, target.placements,
+                                          src_data_rank=None)
+            target.copy_(value)
+            del value

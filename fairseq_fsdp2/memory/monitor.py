@@ -23,7 +23,6 @@ import torch.distributed as dist
 from fairseq.logging import metrics
 
 GB = 1024 ** 3
-FIELDS = ("peak_gb", "reserved_gb", "alloc_retries")
 
 
 def reset_peak(device: torch.device) -> None:
@@ -47,15 +46,26 @@ def read_peak(device: torch.device) -> dict:
     return {"peak_gb": _peak_rss_bytes() / GB, "reserved_gb": 0.0, "alloc_retries": 0.0}
 
 
-def _peak_rss_bytes() -> int:
+def current_gb(device: torch.device) -> float:
+    """Memory in use now: allocated on CUDA, resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / GB
+    return _status_kb("VmRSS:") * 1024 / GB
+
+
+def _status_kb(field: str) -> int:
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
+                if line.startswith(field):
+                    return int(line.split()[1])
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return 0
+
+
+def _peak_rss_bytes() -> int:
+    return _status_kb("VmHWM:") * 1024 or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class MemoryMonitor:
@@ -69,10 +79,14 @@ class MemoryMonitor:
         self.group = group
         reset_peak(device)
 
-    def gather(self) -> list[dict]:
+    def reset(self) -> None:
+        reset_peak(self.device)
+
+    def gather(self, extra: Optional[dict] = None) -> list[dict]:
         """Every rank's figures, on every rank (one small all-gather)."""
-        mine = read_peak(self.device)
-        local = torch.tensor([mine[k] for k in FIELDS], dtype=torch.float64)
+        mine = {**read_peak(self.device), **(extra or {})}
+        keys = list(mine)
+        local = torch.tensor([mine[k] for k in keys], dtype=torch.float64)
         if not (dist.is_available() and dist.is_initialized()):
             return [mine]
         world = dist.get_world_size(self.group)
@@ -80,7 +94,7 @@ class MemoryMonitor:
         local = local.to(backend_device)
         out = [torch.zeros_like(local) for _ in range(world)]
         dist.all_gather(out, local, group=self.group)
-        return [dict(zip(FIELDS, t.cpu().tolist())) for t in out]
+        return [dict(zip(keys, t.cpu().tolist())) for t in out]
 
     def log(self, num_updates: int) -> list[dict]:
         per_rank = self.gather()

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from enum import Enum
 from typing import Optional
 
 import fairseq_fsdp2  # noqa: F401  (installs the plugin before hydra composes the config)
@@ -141,7 +142,9 @@ def _flatten_others(cfg: DictConfig) -> dict:
             except Exception:  # noqa: BLE001 - an interpolation into a legacy node
                 continue
             if isinstance(value, (DictConfig, ListConfig)):
-                value = OmegaConf.to_container(value, resolve=True)
+                value = OmegaConf.to_container(value, resolve=True, enum_to_str=True)
+            elif isinstance(value, Enum):  # ChoiceEnum fields: plain strings, as on the CLI
+                value = value.name
             flat.setdefault(key, value)
     return flat
 

@@ -196,6 +196,8 @@ def test_pretrained_stock_checkpoint_loads_without_full_copies_on_every_rank(cor
     line = next(l for l in out.splitlines() if "loaded pretrained weights" in l)
     pairs = line.split("(GB): ")[1].split(", ")
     growth = [float(b) - float(a) for a, b in (p.split(" -> ") for p in pairs)]
+    print(f"pretrained load: model {model_gb:.3f} GB, largest tensor {largest_gb:.3f} GB, "
+          f"growth per rank during the load {growth}")
     assert growth[0] < 1.3 * model_gb, (growth, model_gb)
     assert growth[1] < 0.5 * model_gb / 2 + 1.3 * largest_gb, (growth, model_gb, largest_gb)
     assert growth[1] < 0.6 * growth[0], growth

@@ -21,6 +21,8 @@ from typing import Optional, Union
 
 import torch.nn as nn
 
+from .errors import FSDP2Error
+
 ReshardSetting = Union[bool, int, None]
 
 ROOT = "root"
@@ -28,7 +30,7 @@ SHARED = "shared"
 LAYER = "layer"
 
 
-class PlanError(ValueError):
+class PlanError(FSDP2Error, ValueError):
     """The model cannot be sharded as asked (e.g. a tie that crosses a layer unit)."""
 
 

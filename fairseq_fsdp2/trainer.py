@@ -31,6 +31,7 @@ from .plan import ShardingPlan, build_plan
 logger = logging.getLogger(__name__)
 
 DEFAULT_MIN_PARAMS_TO_WRAP = int(1e8)  # fairseq's default
+DEFAULT_RESTORE_FILE = "checkpoint_last.pt"  # fairseq's default --restore-file
 
 
 class FSDP2Trainer(Trainer):
@@ -164,13 +165,20 @@ class FSDP2Trainer(Trainer):
     def load_checkpoint(self, filename, reset_optimizer=False, reset_lr_scheduler=False,
                         optimizer_overrides=None, reset_meters=False):
         info = None
+        if not os.path.isfile(filename) and \
+                self.cfg.checkpoint.restore_file != DEFAULT_RESTORE_FILE:
+            # fairseq would silently start from scratch; a named restore file must exist
+            raise CheckpointError(f"--restore-file not found: {filename}")
         if os.path.isfile(filename):
             state = read_checkpoint_file(filename)  # memory-mapped: a cheap look
             info = state.get("fsdp2")
             if info is not None:
                 shard_dir = sharded.resolve(filename, info["shards"])
-                metadata = sharded.read_metadata(shard_dir, filename)
-                sharded.check_model_matches(self.model, metadata, filename)
+                saved = sharded.saved_shapes(sharded.read_metadata(shard_dir, filename))
+            else:
+                saved = {k: tuple(v.shape) for k, v in state["model"].items()
+                         if torch.is_tensor(v)}
+            sharded.check_model_matches(self.model, saved, filename)
             del state
             if info is None and reset_optimizer and reset_lr_scheduler and reset_meters \
                     and self.data_parallel_world_size > 1:

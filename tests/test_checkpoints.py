@@ -217,3 +217,21 @@ def test_checkpoint_with_other_classes_is_refused_unless_trusted(tmp_path, monke
         read_checkpoint_file(str(path))
     monkeypatch.setenv(TRUSTED_ENV, str(path))
     assert isinstance(read_checkpoint_file(str(path))["extra"], _Stranger)
+
+
+def test_missing_restore_file_and_stock_checkpoint_of_another_model(saved_run, tmp_path):
+    root, args, _ = saved_run
+    absent = tmp_path / "absent.pt"
+    stock = root / "run" / "checkpoint_last_consolidated.pt"  # stock format, full tensors
+    for restore, extra, message in [
+            (absent, [], f"--restore-file not found: {absent}"),
+            (stock, ["--decoder-layers", "1"], "does not fit this model: "
+                                               "decoder.layers.1.encoder_attn.k_proj.bias not in model")]:
+        r = run_ranks(1, lambda rank: args(tmp_path / "new", "--restore-file", restore,
+                                           *extra))[0]
+        lines = [l for l in r.output.splitlines() if l.startswith("fairseq_fsdp2: error:")]
+        assert r.returncode == 2 and len(lines) == 1 and message in lines[0], r.output[-2000:]
+    # the stock export itself resumes (weights only) at another world size
+    out = ok(run_ranks(1, lambda rank: args(tmp_path / "again", "--restore-file", stock,
+                                            "--reset-optimizer", "--max-update", "12")))
+    assert "Loaded checkpoint" in out

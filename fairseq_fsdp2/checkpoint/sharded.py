@@ -95,13 +95,19 @@ def read_metadata(shard_dir: str, checkpoint_file: str):
     return metadata
 
 
-def check_model_matches(model: nn.Module, metadata, checkpoint_file: str) -> None:
-    """Refuse a checkpoint of another model config, naming the first mismatches."""
-    saved = {k[len("model."):]: getattr(v, "size", None)
-             for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
-    ours = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
+def saved_shapes(metadata) -> dict:
+    """Model tensor shapes recorded in DCP metadata, by name."""
+    return {k[len("model."):]: getattr(v, "size", None)
+            for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
+
+
+def check_model_matches(model: nn.Module, saved: dict, checkpoint_file: str) -> None:
+    """Refuse a checkpoint of another model config, naming the first mismatches.
+    ``saved``: name -> shape of what the checkpoint holds (tied aliases may be absent)."""
+    ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # with aliases
+    needed = get_model_state_dict(model).keys()  # each tied weight once
     problems = []
-    for key in sorted(set(saved) | set(ours)):
+    for key in sorted(set(saved) | set(needed)):
         a, b = saved.get(key), ours.get(key)
         if a is None or b is None:
             problems.append(f"{key} {'not in checkpoint' if a is None else 'not in model'}")

@@ -17,14 +17,13 @@ calls ``distributed_utils.call_main(cfg, fairseq_cli.train.main)``, which the pl
 
 One addition: legacy (argparse-only) tasks and architectures in a hydra config.
 ``translation_multi_simple_epoch``, the task NLLB trains with, has no dataclass, so stock hydra
-cannot set it up (``AssertionError: Could not infer task type``); and an architecture name such
-as ``transformer_nllb_600m`` in ``model._name`` silently gets the ``transformer`` dataclass
-defaults (6 layers of 512), because the architecture function cannot override values that are
-already set. Here such a ``task`` or ``model`` node (flat keys named like the command-line
-flags: ``encoder_langtok: src``, ``encoder_layers: 12``) is turned into the
-``argparse.Namespace`` that ``fairseq-train`` builds from the same flags (the task's defaults,
-the values of the other groups, the architecture's defaults), so both paths train the same
-model. A key the task or architecture does not know is an error, with one line.
+cannot set it up (``AssertionError: Could not infer task type``). Here such a ``task`` node, and
+a ``model`` node naming an architecture (``transformer_nllb_600m``), both with flat keys named
+like the command-line flags (``encoder_langtok: src``, ``encoder_layers: 12``), become the
+``argparse.Namespace`` that ``fairseq-train`` builds from the same flags: the task's defaults,
+the values of the other groups, the architecture's defaults. Both paths then train the same
+model and save the same checkpoint config, and a key the task or architecture does not know is
+an error with one line (stock fairseq ignores a misspelt model key).
 """
 from __future__ import annotations
 
@@ -45,9 +44,10 @@ LEGACY_GROUPS = ("task", "model")
 
 # fairseq's hydra setup (schema stored under the config's name, cwd handling) predates
 # Hydra 1.1; these deprecation warnings are about fairseq's layout, not the user's config.
-for _message in (".*is validated against ConfigStore schema.*",
-                 ".*will no longer change working directory.*",
-                 ".*deprecated keyword in package header.*"):
+for _message in ("(?s).*is validated against ConfigStore schema",
+                 "(?s).*will no longer change working directory",
+                 "(?s).*deprecated keyword in package header",
+                 "(?s).*version_base parameter is not specified"):
     warnings.filterwarnings("ignore", message=_message, category=UserWarning)
 
 

@@ -117,7 +117,16 @@ class FSDP2Trainer(Trainer):
         self._overflowed = False
         try:
             logging_output = super().train_step(samples, raise_oom)
-        except (AssertionError, RuntimeError):
+        except Exception as e:
+            # NaN/Inf gradients or the loss-scale floor stop every rank: say where. (fairseq
+            # then re-runs the step under its NanDetector, whose hooks fail on current torch;
+            # report the FloatingPointError, not that.)
+            cause = _in_context(e, FloatingPointError)
+            if cause is not None:
+                raise FloatingPointError(f"{cause} (at update {self.get_num_updates() + 1}, "
+                                         f"rank {self.data_parallel_rank})") from e
+            if not isinstance(e, (AssertionError, RuntimeError)):
+                raise
             # fairseq's overflow branch ends with torch.tensor(0.0).cuda(), which raises without
             # CUDA; finish the skipped step the way fairseq does on GPUs.
             if not self._overflowed or self.cuda:
@@ -143,6 +152,14 @@ class FSDP2Trainer(Trainer):
     @property
     def always_call_state_dict_during_save_checkpoint(self) -> bool:
         return True  # writing shards is a collective: every rank takes part
+
+    def save_checkpoint(self, filename, extra_state):
+        # fairseq calls this on the saving rank only when it saves a crash.pt after an error
+        # in train_step; writing shards needs every rank, so the others join here.
+        if not self.should_save_checkpoint_on_current_rank:
+            self.state_dict()
+            return None
+        return super().save_checkpoint(filename, extra_state)
 
     def state_dict(self):
         state = super().state_dict()  # model and optimizer entries are cheap shard references
@@ -238,6 +255,15 @@ class FSDP2Trainer(Trainer):
         sharded.load_optimizer(self.model, optimizer, sharded.resolve(
             self._loading_from, state_dict[sharded.SHARDED]))
         return optimizer.state_dict()
+
+
+def _in_context(error: BaseException, kind: type):
+    """``error`` or the exception it was raised while handling, if of ``kind``."""
+    while error is not None:
+        if isinstance(error, kind):
+            return error
+        error = error.__context__
+    return None
 
 
 @contextlib.contextmanager

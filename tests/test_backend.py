@@ -138,3 +138,13 @@ def test_precision_and_memory_options_train(train_args, flags):
     assert len(losses) == 10 and losses[-1] < losses[0] - 0.5
 
 
+
+
+def test_loss_scale_floor_stops_every_rank_naming_update_and_rank(train_args):
+    results = run_ranks(2, lambda r: train_args(*FSDP2, "--fp16", "--fp16-init-scale",
+                                                str(2 ** 26), "--min-loss-scale", str(2 ** 22),
+                                                updates=4))
+    for r in results:
+        assert r.returncode != 0
+        assert "Minimum loss scale reached" in r.output
+        assert f"(at update 1, rank {r.rank})" in r.output, r.output[-2000:]

@@ -16,6 +16,7 @@ from fairseq.logging import metrics
 from fairseq.optim import lr_scheduler
 from fairseq.trainer import Trainer
 from omegaconf import open_dict
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from . import precision
@@ -50,8 +51,8 @@ class FSDP2Trainer(Trainer):
         self._loading_from: str | None = None  # the checkpoint file being loaded
         self._memory = MemoryMonitor(
             self.device,
-            os.path.join(cfg.checkpoint.save_dir, "memory.jsonl") if cfg.checkpoint.save_dir
-            else None,
+            None if cfg.checkpoint.no_save else os.path.join(cfg.checkpoint.save_dir,
+                                                             "memory.jsonl"),
             rank=self.data_parallel_rank)
 
     # -- wrapping ------------------------------------------------------------------------------
@@ -162,6 +163,13 @@ class FSDP2Trainer(Trainer):
         return super().save_checkpoint(filename, extra_state)
 
     def state_dict(self):
+        # Units that keep their parameters gathered after forward (root and shared embedding
+        # with --fsdp2-root-reshard default) are still unsharded after validation's
+        # forward-only pass; their entries would be plain tensors whose storage the next
+        # reshard frees. Reshard everything first.
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
         state = super().state_dict()  # model and optimizer entries are cheap shard references
         save_dir = self.cfg.checkpoint.save_dir
         if self.data_parallel_rank == 0:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ..errors import CheckpointError
+from ..models.nllb import NLLB_SIZES
 from . import sharded
 from .safe_load import read_checkpoint_file
 
@@ -54,7 +55,13 @@ def _stock_cfg(cfg):
     dt = {k: v for k, v in cfg["distributed_training"].items() if not k.startswith("fsdp2_")}
     if dt.get("ddp_backend") == "fsdp2":
         dt["ddp_backend"] = "pytorch_ddp"
-    return {**cfg, "distributed_training": dt}
+    cfg = {**cfg, "distributed_training": dt}
+    model = cfg.get("model")
+    if isinstance(model, dict) and {model.get("_name"), model.get("arch")} & set(NLLB_SIZES):
+        # the plugin's NLLB architectures are registered only with the plugin; every value
+        # they set is in the saved model config, so stock fairseq builds them as `transformer`
+        cfg["model"] = {**model, "_name": "transformer", "arch": "transformer"}
+    return cfg
 
 
 def _plain(value):

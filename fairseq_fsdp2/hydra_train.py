@@ -9,7 +9,7 @@ trainer selection, launch wrapper) and then runs fairseq's own
 
     python -m fairseq_fsdp2.hydra_train --config-dir configs --config-name nllb_600m_finetune \\
         task.data=DATA distributed_training.fsdp2_root_reshard=always
-    torchrun --nproc_per_node 8 -m fairseq_fsdp2.hydra_train --config-dir configs ...
+    torchrun --standalone --nproc_per_node 8 -m fairseq_fsdp2.hydra_train --config-dir configs ...
 
 The trainer selection and launch handling apply as on ``fairseq-train``: fairseq's hydra main
 calls ``distributed_utils.call_main(cfg, fairseq_cli.train.main)``, which the plugin wraps, and

@@ -39,8 +39,8 @@ show='
   /FSDP2 sharding plan/ { plan = 1 }
   plan && / \| (INFO|WARNING) \| / { plan = 0 }
   plan { print "[demo]   " $0; next }
-  / \| (train_inner|valid|train|fairseq_fsdp2[._a-z]*) \| / { print "[demo]   " $0; next }
-  /done training|[Ee]rror|Traceback/ { print "[demo]   " $0 }'
+  / \| (train_inner|valid|fairseq_fsdp2[._a-z]*) \| / { print "[demo]   " $0; next }
+  /^\[finetune_nllb\]|done training|[Ee]rror|Traceback/ { print "[demo]   " $0 }'
 if ! bash "$root/scripts/finetune_nllb.sh" --data "$out/data" --model-size tiny --cpu --nproc 2 \
     --save-dir "$out/checkpoints" --max-update 200 --max-tokens 4000 --lr 4e-3 \
     --warmup-updates 30 --root-reshard always --log-interval 40 --seed 1 \
@@ -63,7 +63,8 @@ step 5 "stock fairseq-generate (no --user-dir) on $(basename "$ckpt"), test spli
 "$root/.venv/bin/fairseq-generate" "$out/data" --path "$ckpt" \
   --task translation_multi_simple_epoch --lang-pairs "$pairs" --langs "$(cat "$out/data/langs.txt")" \
   --source-lang eng_Latn --target-lang fra_Latn --encoder-langtok src --decoder-langtok \
-  --gen-subset test --beam 5 --batch-size 128 --remove-bpe sentencepiece --scoring sacrebleu \
+  --gen-subset test --beam 5 --batch-size 128 --required-batch-size-multiple 1 \
+  --remove-bpe sentencepiece --scoring sacrebleu \
   --cpu --num-workers 0 > "$out/generate.eng_Latn-fra_Latn.txt" 2> "$out/generate.log" || {
   echo "[demo] fairseq-generate failed; the end of $out/generate.log:" >&2
   tail -n 20 "$out/generate.log" >&2

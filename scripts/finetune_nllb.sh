@@ -10,9 +10,10 @@ usage() {
 Usage: scripts/finetune_nllb.sh --data DIR [options] [-- extra fairseq-train flags]
 
 Fine-tune an NLLB-200 dense model with NLLB's recipe (translation_multi_simple_epoch, source
-and target language tokens, Adam, inverse_sqrt, label-smoothed cross-entropy, 512 positions)
-on N ranks with PyTorch FSDP2: one torchrun call of fairseq-train --user-dir fairseq_fsdp2
---ddp-backend fsdp2. Rank 0 prints the sharding plan; every rank's peak memory is logged at
+and target language tokens, Adam (0.9,0.98) eps 1e-6, inverse_sqrt from 1e-7, label-smoothed
+cross-entropy 0.1, 512 positions, --skip-invalid-size-inputs-valid-test) on N ranks with
+PyTorch FSDP2: one torchrun call of fairseq-train --user-dir fairseq_fsdp2 --ddp-backend fsdp2,
+printed before it starts. Rank 0 prints the sharding plan; every rank's peak memory is logged at
 each --log-interval (mem_peak_gb_max ...) and written to SAVE_DIR/memory.jsonl. At the end,
 SAVE_DIR/checkpoint_{best,last}_consolidated.pt are written in stock fairseq format.
 
@@ -207,4 +208,5 @@ cmd=("$root/.venv/bin/torchrun" --standalone --nproc_per_node "$NPROC"
   --save-dir "$SAVE_DIR" --seed "$SEED" --log-interval "$LOG_INTERVAL" --no-progress-bar
   "${extra[@]}")
 echo "[$prog] $arch on $NPROC rank(s) ($([[ "$CPU" == 1 ]] && echo CPU || echo GPU), $PRECISION), $LANG_PAIRS -> $SAVE_DIR" >&2
+echo "[$prog] $(printf '%q ' "${cmd[@]}")" >&2
 exec "${cmd[@]}"

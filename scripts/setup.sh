@@ -6,7 +6,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
 py="${PYTHON:-python3}"
 stamp="$venv/.fairseq_fsdp2-setup"
-want="$(cat "$root/requirements.txt" "$root/requirements-fairseq.txt" "$root/scripts/setup.sh" | sha256sum | cut -d' ' -f1)"
+want="$(cat "$root/requirements.txt" "$root/requirements-fairseq.txt" "$root/pyproject.toml" "$root/scripts/setup.sh" | sha256sum | cut -d' ' -f1)"
 
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && "$venv/bin/python" -c "import fairseq, fairseq_fsdp2" 2>/dev/null; then
   exit 0

@@ -1,0 +1,235 @@
+"""The NLLB fine-tuning paths, end to end on CPU.
+
+- ``scripts/finetune_nllb.sh``: every argument is in --help; bad input stops with one line
+  before anything is launched; a real 2-rank FSDP2 run of ``transformer_nllb_tiny`` on the
+  numbers corpus trains, and stock ``fairseq-generate`` (no plugin) reads what it wrote.
+- ``python -m fairseq_fsdp2.hydra_train`` with ``configs/``: the configs compose into the same
+  task/model settings as the command line; a 2-rank run applies the plugin's options
+  (root resharded); unknown keys fail.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from launcher import base_env, run_ranks
+
+from fairseq_fsdp2.data import numbers
+from fairseq_fsdp2.data.prepare import prepare
+
+SCRIPT = REPO / "scripts" / "finetune_nllb.sh"
+CONFIGS = REPO / "configs"
+PAIRS = [("eng_Latn", "fra_Latn"), ("eng_Latn", "deu_Latn")]
+N_TEST = 30
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """The numbers corpus for two pairs, prepared like the demo (small: ~10 s)."""
+    root = tmp_path_factory.mktemp("nllb_data")
+    numbers.write_corpus(root / "raw", PAIRS, n_train=600, n_valid=30, n_test=N_TEST, seed=2)
+    return prepare(root / "raw", root / "data", vocab_size=250, log=lambda *a: None)
+
+
+def run_script(*args, timeout=240):
+    return subprocess.run(["bash", str(SCRIPT), *map(str, args)], capture_output=True, text=True,
+                          env=base_env(), timeout=timeout)
+
+
+def json_records(output: str, kind: str) -> list[dict]:
+    """fairseq's json log records of one kind (train_inner, valid, ...), from fairseq-train's
+    ' | kind | {...}' lines or hydra's '[kind][INFO] - {...}' lines."""
+    pattern = re.compile(r"(?:\| " + kind + r" \| |\[" + kind + r"\]\[INFO\] - )(\{.*\})$")
+    return [json.loads(m[1]) for line in output.splitlines() if (m := pattern.search(line))]
+
+
+def plan_rows(output: str) -> dict[str, str]:
+    """unit -> the plan's 'reshard after forward' column."""
+    rows = {}
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if "FSDP2 sharding plan" in line)
+    for line in lines[start + 3:]:
+        fields = re.split(r"\s{2,}", line.strip())
+        if len(fields) < 5:
+            break
+        rows[fields[0]] = fields[-1]
+    return rows
+
+
+# --- (a) the script's interface ----------------------------------------------------------------
+
+def test_help_lists_every_argument():
+    proc = run_script("--help")
+    assert proc.returncode == 0 and proc.stderr == ""
+    text = SCRIPT.read_text()
+    start = text.index('case "$arg" in')
+    handled = set(re.findall(r"--[a-z][a-z0-9-]+", text[start:text.index("esac", start)]))
+    handled.discard("--help")
+    assert {"--data", "--model-size", "--pretrained", "--cpu", "--root-reshard"} <= handled
+    for option in sorted(handled):
+        assert re.search(rf"^\s+{option}\b", proc.stdout, re.M), f"{option} missing from --help"
+    for env in ("DATA", "MODEL_SIZE", "PRETRAINED", "LANG_PAIRS", "LANGS", "NPROC", "SAVE_DIR",
+                "MAX_UPDATE", "ROOT_RESHARD", "MIN_PARAMS_TO_WRAP", "PRECISION", "CPU"):
+        assert f"[{env}" in proc.stdout, f"environment variable {env} missing from --help"
+    for word in ("600m", "1.3b", "3.3b", "tiny", "1e8", "--finetune-from-model", "-- ARGS"):
+        assert word in proc.stdout
+
+
+def test_bad_input_one_line_and_nothing_launched(data, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [
+        ([], "--data DIR is required"),
+        (["--data", tmp_path / "missing"], "does not exist"),
+        (["--data", data, "--model-size", "7b"], "unknown model size '7b'"),
+        (["--data", empty], "lang_pairs.txt not found"),
+        (["--data", data, "--lang-pairs", "eng_Latn-spa_Latn",
+          "--langs", "deu_Latn,eng_Latn,fra_Latn,spa_Latn"], "no training data for pair"),
+        (["--data", data, "--lang-pairs", "eng_Latn-fra_Latn", "--langs", "eng_Latn"],
+         "fra_Latn of pair eng_Latn-fra_Latn is not in the language list"),
+        (["--data", data, "--root-reshard", "sometimes"], "unknown root reshard"),
+        (["--data", data, "--precision", "fp8"], "unknown precision"),
+        (["--data", data, "--pretrained", tmp_path / "none.pt"], "does not exist"),
+        (["--data", data, "--nproc", "two"], "NPROC must be"),
+        (["--data", data, "--bogus"], "unknown argument '--bogus'"),
+    ]
+    for args, message in cases:
+        proc = run_script(*args, timeout=30)
+        lines = proc.stderr.splitlines()
+        assert proc.returncode != 0, args
+        assert len(lines) == 1 and lines[0].startswith("finetune_nllb: error: "), (args, lines)
+        assert message in lines[0], (args, lines[0])
+        assert proc.stdout == "", args
+
+
+# --- (b) a real 2-rank fine-tune through the script ----------------------------------------------
+
+def test_two_rank_cpu_finetune_and_stock_generate(data, tmp_path):
+    save = tmp_path / "ckpt"
+    proc = run_script("--data", data, "--model-size", "tiny", "--cpu", "--nproc", 2,
+                      "--save-dir", save, "--max-update", 12, "--max-tokens", 2000,
+                      "--lr", "3e-3", "--warmup-updates", 4, "--log-interval", 2, "--seed", 1,
+                      "--", "--log-format", "json", "--no-epoch-checkpoints")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "FSDP2 sharding plan: 6 units over 2 rank(s)" in output
+    rows = plan_rows(output)
+    assert set(rows) >= {"encoder.layers.0", "decoder.layers.1", "shared", "root"}
+    assert rows["root"].startswith("False")  # --root-reshard default
+    records = json_records(output, "train_inner")
+    losses = [float(r["loss"]) for r in records]
+    assert len(losses) >= 5 and losses[-1] < losses[0] - 1.0, losses
+    assert all("mem_peak_gb_max" in r for r in records)
+    memory = [json.loads(line) for line in (save / "memory.jsonl").read_text().splitlines()]
+    assert [r["rank"] for r in memory[-1]["ranks"]] == [0, 1]
+    consolidated = save / "checkpoint_last_consolidated.pt"
+    assert consolidated.is_file() and (save / "checkpoint_best_consolidated.pt").is_file()
+
+    # stock fairseq, in a process that never imports the plugin
+    gen = subprocess.run(
+        [sys.executable, "-m", "fairseq_cli.generate", str(data), "--path", str(consolidated),
+         "--task", "translation_multi_simple_epoch", "--source-lang", "eng_Latn",
+         "--target-lang", "fra_Latn", "--lang-pairs", "eng_Latn-fra_Latn,eng_Latn-deu_Latn",
+         "--langs", (data / "langs.txt").read_text().strip(), "--encoder-langtok", "src",
+         "--decoder-langtok", "--gen-subset", "test", "--beam", "1", "--max-len-b", "20",
+         "--batch-size", "64", "--required-batch-size-multiple", "1", "--cpu",
+         "--num-workers", "0", "--remove-bpe", "sentencepiece"],
+        capture_output=True, text=True, env=base_env(), timeout=120)
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    assert "fairseq_fsdp2" not in gen.stderr
+    assert len(re.findall(r"^H-\d+\t", gen.stdout, re.M)) == N_TEST
+
+    # and fine-tuning from it (--pretrained: --finetune-from-model) starts where it ended
+    proc = run_script("--data", data, "--model-size", "tiny", "--cpu", "--nproc", 2,
+                      "--save-dir", tmp_path / "finetuned", "--pretrained", consolidated,
+                      "--max-update", 2, "--max-tokens", 2000, "--lr", "1e-4",
+                      "--log-interval", 1, "--", "--log-format", "json", "--no-save")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "loaded pretrained weights" in output
+    first = float(json_records(output, "train_inner")[0]["loss"])
+    assert first < losses[0] - 1.0, (first, losses)
+
+
+# --- (c) the hydra entry point --------------------------------------------------------------------
+
+def hydra_args(data, save, *overrides):
+    return ["--config-dir", str(CONFIGS), "--config-name", "nllb_tiny_demo",
+            f"task.data={data}", f"checkpoint.save_dir={save}", "common.cpu=true", *overrides]
+
+
+def test_hydra_two_ranks_root_resharded(data, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # hydra writes its job log into the working directory
+    save = tmp_path / "ckpt"
+    results = run_ranks(2, lambda rank: hydra_args(
+        data, save, "distributed_training.fsdp2_root_reshard=always",
+        "optimization.max_update=8", "lr_scheduler.warmup_updates=4", "common.log_interval=2"),
+        module="fairseq_fsdp2.hydra_train", timeout=180)
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank} exited {r.returncode}:\n{r.output[-4000:]}"
+    output = results[0].output
+    assert "FSDP2 sharding plan: 6 units over 2 rank(s)" in output
+    rows = plan_rows(output)
+    assert rows["root"].startswith("True") and rows["shared"].startswith("True"), rows
+    losses = [float(r["loss"]) for r in json_records(output, "train_inner")]
+    assert len(losses) >= 3 and losses[-1] < losses[0], losses
+    assert (save / "checkpoint_last_consolidated.pt").is_file()
+
+
+def test_hydra_configs_match_the_command_line(data):
+    """Every config composes; the task and model nodes become the Namespaces fairseq-train
+    builds from the same flags (NLLB dims, language tokens, the plugin's options)."""
+    from fairseq.dataclass.initialize import hydra_init
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from fairseq_fsdp2.hydra_train import add_defaults
+
+    expected = {"nllb_600m_finetune": (12, 1024, 4096), "nllb_1_3b_finetune": (24, 1024, 8192),
+                "nllb_3_3b_finetune": (24, 2048, 8192), "nllb_tiny_demo": (2, 64, 128)}
+    assert {p.stem for p in CONFIGS.glob("*.yaml")} == set(expected)
+    for name, (layers, dim, ffn) in expected.items():
+        overrides = [f"task.data={data}", "task.langs=[deu_Latn,eng_Latn,fra_Latn]"]
+        if name != "nllb_tiny_demo":
+            overrides.append("checkpoint.finetune_from_model=null")
+        GlobalHydra.instance().clear()
+        hydra_init(name)
+        try:
+            with initialize_config_dir(version_base=None, config_dir=str(CONFIGS)):
+                cfg = compose(name, overrides=overrides)
+        finally:
+            GlobalHydra.instance().clear()
+        add_defaults(cfg)
+        model, task = cfg.model, cfg.task
+        assert (model.encoder_layers, model.decoder_layers, model.encoder_embed_dim,
+                model.decoder_ffn_embed_dim) == (layers, layers, dim, ffn), name
+        assert model.share_all_embeddings and model.encoder_normalize_before, name
+        assert model.max_source_positions == 512 and model.min_params_to_wrap == 1, name
+        assert task.lang_pairs == "eng_Latn-deu_Latn,eng_Latn-fra_Latn", name  # from the file
+        assert task.langs == ["deu_Latn", "eng_Latn", "fra_Latn"], name
+        assert (task.encoder_langtok, task.decoder_langtok) == ("src", True), name
+        assert task.seed == cfg.common.seed and task.train_subset == "train", name
+        dt = cfg.distributed_training
+        assert (dt.ddp_backend, dt.fsdp2_root_reshard) == ("fsdp2", "default"), name
+        assert cfg.criterion.label_smoothing == 0.1 and cfg.lr_scheduler._name == "inverse_sqrt"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("distributed_training.fsdp2_no_such_option=1", "fsdp2_no_such_option"),
+    ("+task.no_such_option=1", "task.no_such_option is not an option of task"),
+    ("+model.encoder_layrs=3", "model.encoder_layrs is not an option of model"),
+])
+def test_hydra_unknown_key_fails(data, tmp_path, monkeypatch, override, message):
+    monkeypatch.chdir(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fairseq_fsdp2.hydra_train",
+         *hydra_args(data, tmp_path / "ckpt", override)],
+        capture_output=True, text=True, env=base_env(), timeout=120)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "ckpt").exists()

@@ -202,7 +202,8 @@ def _add_defaults_or_exit(cfg: DictConfig) -> None:
 def cli_main() -> None:
     from fairseq_cli import hydra_train
 
-    hydra_train.add_defaults = _add_defaults_or_exit  # _hydra_main looks it up when it runs
+    from .registration import install_hydra_add_defaults
+    install_hydra_add_defaults(_add_defaults_or_exit)
     hydra_train.cli_main()
 
 

@@ -59,3 +59,12 @@ def install() -> None:
     # 4. Loading: fairseq calls torch.load with torch's default weights_only=True, which refuses
     #    the argparse.Namespace fairseq pickles. Allow-list it (never switch the safety off).
     allow_fairseq_checkpoint_classes()
+
+
+def install_hydra_add_defaults(add_defaults) -> None:
+    """For the hydra entry point only (hydra_train.py): fairseq's hydra main fills in the
+    registered dataclasses' defaults with `add_defaults`, looked up when it runs, which
+    cannot set up argparse-only tasks and architectures (translation_multi_simple_epoch, the
+    NLLB archs). Use the entry point's version, which also converts those nodes."""
+    import fairseq_cli.hydra_train
+    fairseq_cli.hydra_train.add_defaults = add_defaults

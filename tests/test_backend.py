@@ -107,11 +107,11 @@ def test_root_reshard_setting_takes_effect(corpus):
 
 
 def test_four_ranks_reshard_degree_and_hsdp_match_plain_fsdp(train_args):
-    plain = ok(run_ranks(4, lambda r: train_args(*FSDP2, updates=4)))
+    plain = ok(run_ranks(4, lambda r: train_args(*FSDP2, updates=3)))
     degree = ok(run_ranks(4, lambda r: train_args(*FSDP2, "--fsdp2-reshard-degree", "2",
-                                                  updates=4)))
+                                                  updates=3)))
     hsdp = ok(run_ranks(4, lambda r: train_args(*FSDP2, "--fsdp2-replicate-degree", "2",
-                                                "--fsdp2-root-reshard", "always", updates=4)))
+                                                "--fsdp2-root-reshard", "always", updates=3)))
     assert "to groups of 2 ranks" in degree
     for other in (degree, hsdp):
         assert_close(series(other, "loss"), series(plain, "loss"))
@@ -131,7 +131,7 @@ def test_fp16_overflow_skips_on_every_rank_and_trains(train_args):
 
 
 @pytest.mark.parametrize("flags", [["--bf16"], ["--memory-efficient-fp16"],
-                                   ["--checkpoint-activations"], ["--cpu-offload"]])
+                                   ["--checkpoint-activations", "--cpu-offload"]])
 def test_precision_and_memory_options_train(train_args, flags):
     out = ok(run_ranks(2, lambda r: train_args(*FSDP2, *flags, updates=10)))
     losses = series(out, "loss")

@@ -28,13 +28,16 @@ optimizer state on every rank, plus its all-reduce buffer (the size of the model
 
 What "peak" means follows the memory monitor (``memory/monitor.py``): on CUDA, allocator peak
 (tensors only); on CPU, the process's peak resident memory, which adds a runtime baseline (Python,
-torch, fairseq, gloo, the data loader; ``CPU_BASELINE_GB``, measured on this project's machine)
-to the tensors. Steady state: the first update (optimizer-state creation, the full model built
-before sharding) is not modelled.
+torch, fairseq, gloo, the data loader, the dictionaries; ``cpu_baseline_bytes``, measured on this
+project's machine) to the tensors. Attention activations differ by device: the meta trace runs
+PyTorch's reference attention, which keeps the batch x heads x L x L probabilities (as CPU does);
+on CUDA the fused kernels keep q, k, v, the output and the log-sum-exp instead. Steady state: the
+first update (optimizer-state creation, the full model built before sharding) is not modelled.
+Batches are full (--max-tokens / --seq-len sentences, rounded down to
+--required-batch-size-multiple) and unpadded.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 from collections import Counter
@@ -45,7 +48,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..plan import LAYER, ROOT, SHARED, ShardingPlan, build_plan, layer_candidates
+from ..plan import LAYER, ROOT, ShardingPlan, build_plan, layer_candidates
 
 GIB = 1024 ** 3
 
@@ -61,20 +64,26 @@ CATEGORIES = (
     ("other", "other"),
 )
 
-#: Resident memory of a fairseq-train process on CPU before any model tensor: Python, torch,
-#: fairseq, the plugin, gloo and the data loader. Measured on the project's machine (Python
-#: 3.11.7, torch 2.13.0+cpu, fairseq-fixed 0.12.3.1, MALLOC_MMAP_THRESHOLD_=65536) as peak RSS
-#: minus the bytes of live tensors that PyTorch's MemTracker counted over the same update:
-#: 0.4335 GiB with --ddp-backend fsdp2 (1 and 2 ranks), 0.429 GiB with legacy_ddp.
-CPU_BASELINE_GB = 0.433
+#: Resident memory of a fairseq-train process on CPU besides the tensors: Python, torch, fairseq,
+#: the plugin, gloo, the data loader and the dictionaries. Measured on the project's machine
+#: (Python 3.11.7, torch 2.13.0+cpu, fairseq-fixed 0.12.3.1, MALLOC_MMAP_THRESHOLD_=65536) as
+#: peak RSS minus the bytes of the live tensors PyTorch's MemTracker counted in the same update:
+#: 0.431 GiB with an 80-symbol dictionary, 0.4335 GiB with 50,000 (1, 2 and 4 ranks; legacy_ddp
+#: 0.004 GiB less), 0.4985 GiB with NLLB's 256,206. The translation task loads the source and
+#: target dictionaries as two objects, about 170 bytes per symbol each; the first ~40,000 symbols
+#: fit in memory the interpreter already holds.
+CPU_BASELINE_GB = 0.431
+CPU_DICT_BYTES_PER_SYMBOL = 340
+CPU_DICT_FREE_SYMBOLS = 40_000
+
+
+def cpu_baseline_bytes(vocab: int, base_gb: float = CPU_BASELINE_GB) -> int:
+    """The CPU runtime baseline of a fairseq-train process with a ``vocab``-symbol dictionary."""
+    return int(base_gb * GIB) + max(0, vocab - CPU_DICT_FREE_SYMBOLS) * CPU_DICT_BYTES_PER_SYMBOL
+
 
 PRECISIONS = {"fp32": (torch.float32, 4), "fp16": (torch.float16, 2), "bf16": (torch.bfloat16, 2)}
 BACKENDS = ("fsdp2", "legacy_ddp")
-
-#: Autograd adds the gradients of the tied embedding's uses out of place: at each use, the buffer
-#: so far, the new dense vocab x dim gradient and their sum are alive together.
-EMBED_GRAD_COPIES = 3
-
 
 # -- the model, as data -----------------------------------------------------------------------
 
@@ -124,6 +133,10 @@ class ModelProfile:
     trace: ForwardTrace
     workload: Workload
     compute_bytes: int
+    traces: dict = field(default_factory=dict)  # device -> ForwardTrace (attention differs)
+
+    def trace_for(self, device: str) -> ForwardTrace:
+        return self.traces.get(device, self.trace)
 
 
 @dataclass
@@ -141,7 +154,7 @@ class Setup:
     momentum: float = 0.0
     loss_chunk_tokens: int = 0  # 0: the stock criterion
     device: str = "cuda"
-    cpu_baseline_gb: float = CPU_BASELINE_GB
+    cpu_baseline_gb: Optional[float] = None  # None: cpu_baseline_bytes(vocab)
     cpu_offload: bool = False
     update_freq: int = 1
     no_sync: bool = False
@@ -222,11 +235,23 @@ def _owners(model: nn.Module, specs: list[UnitSpec]) -> dict[int, str]:
     return owner
 
 
+def _is_attention(module: nn.Module) -> bool:
+    """fairseq's MultiheadAttention (and look-alikes)."""
+    return all(hasattr(module, a) for a in ("q_proj", "k_proj", "v_proj", "out_proj",
+                                             "num_heads"))
+
+
 def trace_forward(model: nn.Module, paths: Iterable[str], workload: Workload,
                   dtype: torch.dtype, features_only: bool) -> ForwardTrace:
     """Run the (meta) model forward once, in train mode, recording module entries and exits
     for ``paths`` and the bytes of every tensor autograd saves (each storage once; parameters
-    and buffers excluded)."""
+    and buffers excluded).
+
+    Inside attention modules, the tensors saved by the attention itself (not its inputs) are
+    recorded as one ("attn", (traced bytes, fused bytes)) event: the trace runs PyTorch's
+    reference attention, which saves the batch x heads x L x L probabilities (as CPU does);
+    CUDA's fused kernels save q, k, v, the output and the log-sum-exp instead (fused bytes).
+    ``resolve`` picks one of the two for a device."""
     model = model.to(dtype)
     model.train()
     modules = dict(model.named_modules())
@@ -235,6 +260,7 @@ def trace_forward(model: nn.Module, paths: Iterable[str], workload: Workload,
     seen: dict[int, torch.Tensor] = {}
     max_act: dict[str, int] = {}
     current: list[str] = []
+    attention: list[dict] = []
 
     def pack(t):
         storage = t.untyped_storage()
@@ -242,7 +268,10 @@ def trace_forward(model: nn.Module, paths: Iterable[str], workload: Workload,
         if key not in exclude and key not in seen:
             seen[key] = t
             nbytes = storage.nbytes()
-            events.append(("act", nbytes))
+            if attention and key not in attention[-1]["inputs"]:
+                attention[-1]["internal"] += nbytes
+            else:
+                events.append(("act", nbytes))
             if current:
                 max_act[current[-1]] = max(max_act.get(current[-1], 0), nbytes)
         return t
@@ -259,11 +288,33 @@ def trace_forward(model: nn.Module, paths: Iterable[str], workload: Workload,
             current.pop()
         return hook
 
+    def attention_pre(module, args, kwargs):
+        names = ("query", "key", "value")
+        given = {n: kwargs.get(n, args[i] if i < len(args) else None)
+                 for i, n in enumerate(names)}
+        query = given["query"]
+        key = given["key"] if given["key"] is not None else query
+        attention.append({"inputs": {x.untyped_storage()._cdata for x in given.values()
+                                     if isinstance(x, torch.Tensor)},
+                          "internal": 0, "shape": (query.shape[0], key.shape[0],
+                                                   query.shape[1], query.shape[2]),
+                          "heads": module.num_heads, "itemsize": query.element_size()})
+
+    def attention_post(module, args, kwargs, output):
+        a = attention.pop()
+        tq, tk, b, d = a["shape"]
+        fused = (3 * tq + 2 * tk) * b * d * a["itemsize"] + b * a["heads"] * tq * 4
+        events.append(("attn", (a["internal"], fused)))
+
     handles = []
     for path in dict.fromkeys(paths):
         m = modules[path]
         handles.append(m.register_forward_pre_hook(pre(path)))
         handles.append(m.register_forward_hook(post(path)))
+    for m in modules.values():
+        if _is_attention(m):
+            handles.append(m.register_forward_pre_hook(attention_pre, with_kwargs=True))
+            handles.append(m.register_forward_hook(attention_post, with_kwargs=True))
     b, n = workload.batch, workload.seq_len
     tokens = torch.full((b, n), 4, dtype=torch.long, device="meta")
     lengths = torch.full((b,), n, dtype=torch.long, device="meta")
@@ -273,7 +324,20 @@ def trace_forward(model: nn.Module, paths: Iterable[str], workload: Workload,
     finally:
         for h in handles:
             h.remove()
-    return ForwardTrace(events, sum(v for k, v in events if k == "act"), max_act)
+    return resolve(ForwardTrace(events, 0, max_act), "cpu", keep_attention=True)
+
+
+def resolve(trace: ForwardTrace, device: str, keep_attention: bool = False) -> ForwardTrace:
+    """The trace with attention events as activations of ``device`` (cpu: the reference
+    attention, as traced; cuda: fused attention kernels)."""
+    pick = 1 if device == "cuda" else 0
+    events = [e if e[0] != "attn" or keep_attention else ("act", e[1][pick])
+              for e in trace.events]
+    total = sum(v if k == "act" else v[pick] for k, v in events if k in ("act", "attn"))
+    out = ForwardTrace(events, total, trace.max_act)
+    if hasattr(trace, "recompute"):
+        out.recompute = trace.recompute  # type: ignore[attr-defined]
+    return out
 
 
 def workload_for(max_tokens: Optional[int], batch_size: Optional[int], seq_len: int,
@@ -332,14 +396,19 @@ def build_profile(model: nn.Module, workload: Workload, *, precision: str = "fp3
     traced = copy.deepcopy(model)  # meta: free; the cast and hooks stay off the caller's model
     if checkpoint_activations:
         _strip_checkpointing(traced, layers)
-    trace = trace_forward(traced, list(owner) + list(embed_paths) + list(output_paths), workload,
-                          dtype, features_only=chunked_loss)
-    if checkpoint_activations:
-        trace = _checkpointed(trace, layers, workload.tokens * int(embed_dim) * nbytes)
+    raw = trace_forward(traced, list(owner) + list(embed_paths) + list(output_paths), workload,
+                        dtype, features_only=chunked_loss)
+    traces = {}
+    for device in ("cpu", "cuda"):
+        traces[device] = resolve(raw, device)
+        if checkpoint_activations:
+            traces[device] = _checkpointed(traces[device], layers,
+                                           workload.tokens * int(embed_dim) * nbytes)
     total = sum(p.numel() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     return ModelProfile(specs, owner, layer_params, embed_paths, output_paths, int(vocab),
-                        int(embed_dim), total, buffers, plan, trace, workload, nbytes)
+                        int(embed_dim), total, buffers, plan, traces["cpu"], workload, nbytes,
+                        traces)
 
 
 def _strip_checkpointing(model: nn.Module, layers: list[str]) -> None:
@@ -430,249 +499,272 @@ def _optimizer_states(setup: Setup) -> int:
     return 2  # unknown: assume Adam-like
 
 
-def simulate_fsdp2(profile: ModelProfile, setup: Setup, rank: int = 0) -> _Ledger:
-    c = profile.compute_bytes
-    shards = setup.world_size // setup.replicate_degree
-    trace, work = profile.trace, profile.workload
-    T, V, d = work.tokens, profile.vocab, profile.embed_dim
-    units = {u.name: u for u in profile.units}
-    local, padded, largest = {}, {}, 0
-    for u in profile.units:
-        local[u.name], padded[u.name], big = _unit_sizes(u, shards, rank)
-        largest = max(largest, big)
-    gathered_full = {n: padded[n] * c for n in units}
-    on_device = not (setup.cpu_offload and setup.device == "cuda")
-    mixed = c != 4
+class _FSDP2Step:
+    """One training step of FSDP2 (torch 2.13) on one rank, simulated on a ledger.
 
-    led = _Ledger()
-    sharded_bytes = sum(local.values()) * 4
-    if on_device:
-        led.add("sharded", sharded_bytes)
-        led.add("optim", _optimizer_states(setup) * sharded_bytes)
-    led.add("other", profile.buffer_bytes)
-    if setup.update_freq > 1:  # gradients carried from the earlier micro-batches
-        if setup.no_sync:
-            led.add("grads", sum(padded.values()) * (4 if mixed else c))
-        elif on_device:
-            led.add("grads", sharded_bytes)
+    The all-gather rules it follows: an all-gather writes a flat output buffer, which is copied
+    out into the unsharded parameters; in forward (more than one rank) FSDP2 keeps that buffer
+    until the next forward copy-out or the end of the model's forward, in backward it frees it
+    at once. The backward of a unit prefetches the unit before it in forward order. A unit's
+    gradients are copied into an fp32 reduce-scatter input buffer, kept until the next
+    reduce-scatter or the end of backward. With one rank, "all-gather" is a copy.
+    """
 
-    gathered: dict[str, int] = {}
-    state = {"retained_rs": 0, "prefetched": {}}
+    def __init__(self, profile: ModelProfile, setup: Setup, rank: int):
+        self.p, self.s = profile, setup
+        self.trace = profile.trace_for(setup.device)
+        self.c = profile.compute_bytes
+        self.shards = setup.world_size // setup.replicate_degree
+        self.units = {u.name: u for u in profile.units}
+        self.local, self.padded, self.largest = {}, {}, 0
+        for u in profile.units:
+            self.local[u.name], self.padded[u.name], big = _unit_sizes(u, self.shards, rank)
+            self.largest = max(self.largest, big)
+        self.full = {n: self.padded[n] * self.c for n in self.units}
+        self.on_device = not (setup.cpu_offload and setup.device == "cuda")
+        self.led = _Ledger()
+        self.gathered: dict[str, int] = {}
+        self.prefetched: dict[str, int] = {}
+        self.retained_ag = 0
+        self.retained_rs = 0
+        self.post_order: list[Optional[str]] = []
+        self.reduced: set[str] = set()
+        self.shared = next((u.name for u in profile.units
+                            if set(profile.output_paths) & set(u.module_paths)), ROOT)
 
-    def unshard(name: str, why: str) -> None:
-        have = gathered.get(name, 0)
-        if have >= gathered_full[name]:
+    # -- FSDP2's operations -------------------------------------------------------------------
+    def unshard(self, name: str, why: str, forward: bool) -> None:
+        full, have = self.full[name], self.gathered.get(name, 0)
+        if have >= full:
             return
-        pre = state["prefetched"].pop(name, 0)
-        if pre:
-            led.sub("comm", pre)
-        # all-gather output buffer and unsharded parameters alive together during copy-out
-        led.moment(why, comm=gathered_full[name],
-                   gathered=gathered_full[name] - have)
-        led.add("gathered", gathered_full[name] - have)
-        gathered[name] = gathered_full[name]
-
-    def reshard(name: str, keep_fraction: float = 0.0) -> None:
-        have = gathered.get(name, 0)
-        keep = int(gathered_full[name] * keep_fraction)
-        if have > keep:
-            led.sub("gathered", have - keep)
-            gathered[name] = keep
-
-    def post_forward(name: str) -> None:
-        setting = units[name].reshard
-        if setting is True:
-            reshard(name)
-        elif isinstance(setting, int) and not isinstance(setting, bool) and setting > 0:
-            reshard(name, 1.0 / setting)
-        post_order.append(name)
-
-    # forward ---------------------------------------------------------------------------------
-    post_order: list[str] = []
-    to_run: dict[str, set] = {}
-    unshard(ROOT, "forward: all-gather root")
-    for kind, value in trace.events:
-        if kind == "act":
-            led.add("acts", value)
-            continue
-        name = profile.owner.get(value)
-        if name is None or name == ROOT or value not in units[name].module_paths:
-            continue
-        if kind == "enter":
-            if not to_run.get(name):
-                to_run[name] = set(units[name].module_paths)
-            unshard(name, f"forward: all-gather {name}")
-            if setup.device == "cuda":  # implicit prefetch: the next unit's all-gather overlaps
-                led.moment(f"forward: {name}", comm=_next_layer_bytes(profile, name, gathered_full))
+        led = self.led
+        if self.shards == 1:
+            led.moment(why, gathered=full - have)
         else:
-            remaining = to_run.get(name, set())
-            remaining.discard(value)
-            if not remaining:
-                post_forward(name)
-    for name, remaining in to_run.items():  # groups not completed (chunked loss): root finishes
-        if remaining:
-            to_run[name] = set()
-            post_forward(name)
-    post_forward(ROOT)
-    led.moment("end of forward")
+            ag = self.prefetched.pop(name, 0)
+            if not ag:
+                ag = full
+                led.add("comm", ag)  # all-gather output buffer
+            if forward and self.retained_ag:
+                led.sub("comm", self.retained_ag)
+                self.retained_ag = 0
+            led.moment(why, gathered=full - have)  # copy-out: buffer and parameters alive
+            if forward:
+                self.retained_ag = ag
+            else:
+                led.sub("comm", ag)
+        led.add("gathered", full - have)
+        self.gathered[name] = full
 
-    # loss and the output projection ------------------------------------------------------------
-    shared = next((u.name for u in profile.units if
-                   set(profile.output_paths) & set(u.module_paths)), ROOT)
-    float_copy = 4 if mixed else 0
-    if setup.loss_chunk_tokens <= 0:
+    def reshard(self, name: str, keep_fraction: float = 0.0) -> None:
+        have = self.gathered.get(name, 0)
+        keep = int(self.full[name] * keep_fraction)
+        if have > keep:
+            self.led.sub("gathered", have - keep)
+            self.gathered[name] = keep
+
+    def post_forward(self, name: str) -> None:
+        setting = self.units[name].reshard
+        if setting is True:
+            self.reshard(name)
+        elif isinstance(setting, int) and not isinstance(setting, bool) and setting > 1:
+            self.reshard(name, 1.0 / setting)
+        self.post_order.append(name)
+
+    def prefetch_before(self, name: str) -> None:
+        """Backward prefetch: all-gather the unit before ``name`` in post-forward order."""
+        idx = next((i for i in range(len(self.post_order) - 1, -1, -1)
+                    if self.post_order[i] == name), None)
+        if idx is None:
+            return
+        self.post_order[idx] = None  # this use is consumed
+        target = next((self.post_order[j] for j in range(idx - 1, -1, -1)
+                       if self.post_order[j] is not None), None)
+        if target is None or self.gathered.get(target, 0) >= self.full[target] \
+                or target in self.prefetched:
+            return
+        if self.shards == 1:
+            self.unshard(target, f"backward: prefetch {target}", forward=False)
+            return
+        self.led.moment(f"backward: prefetch {target}", comm=self.full[target])
+        self.led.add("comm", self.full[target])
+        self.prefetched[target] = self.full[target]
+
+    def reduce_scatter(self, name: str, grad_bytes: int, in_ledger: bool) -> None:
+        led = self.led
+        led.sub("comm", self.retained_rs)  # the previous input buffer is released first
+        self.retained_rs = 0
+        rs_input = self.padded[name] * 4
+        led.moment(f"backward: reduce-scatter {name}", comm=rs_input,
+                   grads=0 if in_ledger else grad_bytes)
+        if in_ledger:
+            led.sub("grads", grad_bytes)  # unsharded gradients dropped after the copy-in
+        led.add("comm", rs_input)
+        self.retained_rs = rs_input
+        if self.on_device:
+            led.add("grads", self.local[name] * 4)
+        self.reduced.add(name)
+        self.reshard(name)
+
+    # -- the step ---------------------------------------------------------------------------------
+    def run(self) -> _Ledger:
+        p, s, led, c = self.p, self.s, self.led, self.c
+        T, V, d = p.workload.tokens, p.vocab, p.embed_dim
+        mixed = c != 4
+        sharded = sum(self.local.values()) * 4
+        if self.on_device:
+            led.add("sharded", sharded)
+            led.add("optim", _optimizer_states(s) * sharded)
+        led.add("other", p.buffer_bytes)
+        if s.update_freq > 1:  # gradients carried over from the earlier micro-batches
+            if s.no_sync:
+                led.add("grads", sum(self.padded.values()) * (4 if mixed else c))
+            elif self.on_device:
+                led.add("grads", sharded)
+        self.forward()
+        if s.loss_chunk_tokens > 0:
+            first_accumulated = self.chunked_loss(min(s.loss_chunk_tokens, T))
+        else:
+            self.stock_loss()
+            first_accumulated = False
+        self.layers_backward(first_accumulated)
+        # end of backward: the root and the units whose inputs need no gradient reduce-scatter
+        for name in (ROOT, self.shared):
+            if name in self.reduced:
+                continue
+            held = self.root_grads if name == ROOT else 0
+            if name == self.shared:
+                held += V * d * c
+            rest = max(self.units[name].numel * c - held, 0)
+            led.add("grads", rest)
+            self.reduce_scatter(name, held + rest, in_ledger=True)
+        led.sub("comm", self.retained_rs)
+        self.retained_rs = 0
+        for name, nbytes in self.prefetched.items():
+            led.sub("comm", nbytes)
+        self.prefetched = {}
+        for name in list(self.gathered):
+            self.reshard(name)
+        # optimizer step (the update's temporary: one tensor the size of the largest shard)
+        led.moment("optimizer step", optim=self.largest * 4 if self.on_device else 0)
+        return led
+
+    def forward(self) -> None:
+        p, s, led = self.p, self.s, self.led
+        to_run: dict[str, set] = {}
+        self.unshard(ROOT, "forward: all-gather root", forward=True)
+        layer_units = [u.name for u in p.units if u.kind == LAYER]
+        for kind, value in self.trace.events:
+            if kind == "act":
+                led.add("acts", value)
+                continue
+            name = p.owner.get(value)
+            if name is None or name == ROOT or value not in self.units[name].module_paths:
+                continue
+            if kind == "enter":
+                if not to_run.get(name):
+                    to_run[name] = set(self.units[name].module_paths)
+                self.unshard(name, f"forward: all-gather {name}", forward=True)
+                if s.device == "cuda" and name in layer_units:
+                    # implicit prefetch: the next layer's all-gather overlaps this layer
+                    i = layer_units.index(name)
+                    nxt = self.full[layer_units[i + 1]] if i + 1 < len(layer_units) else 0
+                    led.moment(f"forward: {name}", comm=nxt)
+            else:
+                remaining = to_run.get(name, set())
+                remaining.discard(value)
+                if not remaining and name in to_run:
+                    del to_run[name]
+                    self.post_forward(name)
+        self.post_forward(ROOT)
+        for name in list(to_run):  # groups the forward did not complete (chunked loss)
+            self.post_forward(name)
+        led.sub("comm", self.retained_ag)  # the root's post-forward frees the last buffer
+        self.retained_ag = 0
+        led.moment("end of forward")
+
+    def stock_loss(self) -> None:
+        p, led, c = self.p, self.led, self.c
+        T, V, d = p.workload.tokens, p.vocab, p.embed_dim
+        float_copy = 4 if c != 4 else 0
         led.moment("loss forward: logits and log-probabilities", loss=T * V * (c + float_copy + 4))
         led.moment("loss backward: log-softmax gradient", loss=3 * T * V * 4)
-        # backward reaches the model output: root and shared pre-backward
-        led.add("loss", T * V * c)  # gradient of the logits
-        unshard(ROOT, "backward: all-gather root")
-        unshard(shared, f"backward: all-gather {shared}")
-        _prefetch(profile, post_order, len(post_order) - 1, state, led, gathered, gathered_full)
+        led.add("loss", T * V * c)  # the logits' gradient reaches the model output
+        self.unshard(self.shared, f"backward: all-gather {self.shared}", forward=False)
+        self.prefetch_before(self.shared)
+        self.unshard(ROOT, "backward: all-gather root", forward=False)
         led.moment("backward: output projection", grads=V * d * c, acts=T * d * c)
         led.sub("loss", T * V * c)
-        led.add("grads", V * d * c)  # the tied weight's gradient, until its last use
-    else:
-        n = min(setup.loss_chunk_tokens, T)
+        led.add("grads", V * d * c)  # the tied weight's gradient, in autograd's buffer
+
+    def chunked_loss(self, n: int) -> bool:
+        p, led, c = self.p, self.led, self.c
+        T, V, d = p.workload.tokens, p.vocab, p.embed_dim
+        float_copy = 4 if c != 4 else 0
         chunks = -(-T // n)
-        led.add("loss", T * d * c)  # the non-padding features, kept for the chunks
-        unshard(shared, f"loss: all-gather {shared}")
+        led.add("loss", T * d * c)  # the non-padding features, the chunks' inputs
+        # the first chunk's projection gathers the shared unit in forward state: FSDP2 keeps
+        # that all-gather buffer until the next step's forward
+        self.unshard(self.shared, f"loss: all-gather {self.shared}", forward=True)
         led.moment("loss forward: one chunk", loss=n * V * (c + float_copy + 4))
+        new = V * d * c
         for i in range(chunks):
-            # recompute (logits, log-probabilities), then backward of the chunk
-            led.moment("loss backward: one chunk", loss=3 * n * V * 4)
-            new = V * d * c
+            led.moment("loss backward: one chunk (recomputed)", loss=3 * n * V * 4)
+            led.moment("backward: chunk output projection", loss=n * V * c, grads=new)
             if i == 0:
-                led.moment("backward: chunk output projection", loss=n * V * c, grads=new)
                 led.add("grads", new)
-            else:
-                led.moment("backward: chunk output projection", loss=n * V * c,
-                           grads=(EMBED_GRAD_COPIES - 1) * new)
+            elif i == 1:  # the first accumulation into the weight's gradient is out of place
+                led.moment("backward: chunk weight-gradient accumulation", grads=2 * new)
         led.sub("loss", T * d * c)
-        # the first chunk's post-backward hook reshards the shared unit (its gradient is still in
-        # autograd's buffer); backward then reaches the model output
-        if units[shared].reshard is True or units[shared].reshard is False:
-            reshard(shared)
-        unshard(ROOT, "backward: all-gather root")
-        _prefetch(profile, post_order, len(post_order) - 1, state, led, gathered, gathered_full)
+        # the first chunk's post-backward reshards the shared unit (its gradient is still in
+        # autograd's buffer); then the model output's gradient: root, then shared, pre-backward
+        self.reshard(self.shared)
+        self.unshard(ROOT, "backward: all-gather root", forward=False)
+        self.prefetch_before(ROOT)
+        self.unshard(self.shared, f"backward: all-gather {self.shared}", forward=False)
+        return chunks > 1
 
-    # layers, in reverse ----------------------------------------------------------------------
-    root_grads = 0
-    layer_acts: list[int] = []
-    done: set[str] = set()
-    recompute = getattr(trace, "recompute", {})
-    act_stack: list[int] = []
-    events = trace.events
-    for kind, value in reversed(events):
-        if kind == "act":
-            act_stack.append(value)
-            led.sub("acts", value)
-            continue
-        name = profile.owner.get(value)
-        if kind == "exit":
-            act_stack = []
-            if value in profile.embed_paths and name is not None:
-                unshard(name, f"backward: all-gather {name}")
-            if value in profile.layer_params and name is not None and name != ROOT:
-                unshard(name, f"backward: all-gather {name}")
-                idx = _last_index(post_order, name)
-                if idx is not None:
-                    post_order[idx] = None  # consumed
-                    _prefetch(profile, post_order, idx, state, led, gathered, gathered_full)
-        else:  # enter: this module's backward is over
-            if value in profile.layer_params:
-                n_params = profile.layer_params[value]
-                recomputed = recompute.get(value, 0)
-                led.moment(f"backward: {value}", grads=n_params * c,
-                           acts=recomputed + 2 * trace.max_act.get(value, 0) + T * d * c)
-                if name == ROOT or name is None:
-                    root_grads += n_params * c
+    def layers_backward(self, accumulated: bool) -> None:
+        p, led, c = self.p, self.led, self.c
+        T, V, d = p.workload.tokens, p.vocab, p.embed_dim
+        recompute = getattr(self.trace, "recompute", {})
+        self.root_grads = 0
+        for kind, value in reversed(self.trace.events):
+            if kind == "act":
+                led.sub("acts", value)
+                continue
+            name = p.owner.get(value)
+            if kind == "exit":  # this module's backward starts
+                if value in p.embed_paths and name is not None:
+                    self.unshard(name, f"backward: all-gather {name}", forward=False)
+                if value in p.layer_params and name not in (None, ROOT):
+                    self.unshard(name, f"backward: all-gather {name}", forward=False)
+                    self.prefetch_before(name)
+                if value in p.layer_params:
+                    led.moment(f"backward: {value}", acts=recompute.get(value, 0)
+                               + 2 * self.trace.max_act.get(value, 0) + T * d * c)
+            elif value in p.layer_params:  # this layer's backward is over
+                n_params = p.layer_params[value]
+                led.moment(f"backward: {value} gradients", grads=n_params * c, acts=2 * T * d * c)
+                if name in (None, ROOT):
+                    self.root_grads += n_params * c
                     led.add("grads", n_params * c)
-                elif name not in done:
-                    _reduce_scatter(name, n_params * c, led, state, local, padded, on_device,
-                                    in_ledger=False)
-                    done.add(name)
-                    reshard(name)
-            elif value in profile.embed_paths:
-                led.moment(f"backward: {value} (embedding gradient)",
-                           grads=(EMBED_GRAD_COPIES - 1) * V * d * c)
-    # end of backward: the root and shared units reduce-scatter
-    for name in (shared, ROOT):
-        if name in done:
-            continue
-        held = V * d * c if name == shared else root_grads
-        if name == ROOT and shared == ROOT:
-            held = V * d * c + root_grads
-        rest = units[name].numel * c - held
-        if rest > 0:
-            led.add("grads", rest)
-            held += rest
-        _reduce_scatter(name, held, led, state, local, padded, on_device, in_ledger=True)
-        done.add(name)
-        reshard(name)
-    led.sub("comm", state["retained_rs"])
-    state["retained_rs"] = 0
-    for name, nbytes in state["prefetched"].items():
-        led.sub("comm", nbytes)
-    state["prefetched"] = {}
-    for name in list(gathered):
-        reshard(name)
-
-    # optimizer step ----------------------------------------------------------------------------
-    led.moment("optimizer step", optim=largest * 4 if on_device else 0)
-    return led
+                elif name not in self.reduced:
+                    self.reduce_scatter(name, n_params * c, in_ledger=False)
+            elif value in p.embed_paths:
+                extra = V * d * c if accumulated else 2 * V * d * c
+                led.moment(f"backward: {value} (embedding gradient)", grads=extra)
+                accumulated = True
 
 
-def _next_layer_bytes(profile: ModelProfile, name: str, gathered_full: dict) -> int:
-    names = [u.name for u in profile.units if u.kind == LAYER]
-    if name in names and names.index(name) + 1 < len(names):
-        return gathered_full[names[names.index(name) + 1]]
-    return 0
-
-
-def _last_index(order: list, name: str) -> Optional[int]:
-    for i in range(len(order) - 1, -1, -1):
-        if order[i] == name:
-            return i
-    return None
-
-
-def _prefetch(profile, post_order, idx, state, led, gathered, gathered_full) -> None:
-    """FSDP2's backward prefetch: the unit before this one in post-forward order is
-    all-gathered now; its output buffer waits until that unit's pre-backward."""
-    for j in range(idx - 1, -1, -1):
-        target = post_order[j]
-        if target is None:
-            continue
-        if target == ROOT or gathered.get(target, 0) >= gathered_full[target] \
-                or target in state["prefetched"]:
-            return
-        led.moment(f"backward: prefetch {target}", comm=gathered_full[target])
-        led.add("comm", gathered_full[target])
-        state["prefetched"][target] = gathered_full[target]
-        return
-
-
-def _reduce_scatter(name, grad_bytes, led, state, local, padded, on_device,
-                   in_ledger: bool) -> None:
-    """Unsharded gradients -> fp32 reduce-scatter input (FSDP2 keeps it until the next
-    reduce-scatter) -> this rank's gradient shard. ``grad_bytes``: the unsharded gradients,
-    already in the ledger or still transient."""
-    led.sub("comm", state["retained_rs"])
-    rs_input = padded[name] * 4
-    led.moment(f"backward: reduce-scatter {name}", comm=rs_input,
-               grads=0 if in_ledger else grad_bytes)
-    if in_ledger:
-        led.sub("grads", grad_bytes)  # dropped after the copy into the input buffer
-    led.add("comm", rs_input)
-    state["retained_rs"] = rs_input
-    if on_device:
-        led.add("grads", local[name] * 4)
+def simulate_fsdp2(profile: ModelProfile, setup: Setup, rank: int = 0) -> _Ledger:
+    return _FSDP2Step(profile, setup, rank).run()
 
 
 def simulate_ddp(profile: ModelProfile, setup: Setup) -> _Ledger:
     """fairseq's stock legacy_ddp: every rank holds the whole model, its gradients and state."""
     c = profile.compute_bytes
-    work, trace = profile.workload, profile.trace
+    work, trace = profile.workload, profile.trace_for(setup.device)
     T, V, d = work.tokens, profile.vocab, profile.embed_dim
     P = profile.total_params
     mixed = c != 4
@@ -692,30 +784,39 @@ def simulate_ddp(profile: ModelProfile, setup: Setup) -> _Ledger:
         if kind == "act":
             led.add("acts", value)
     led.moment("end of forward")
+    new = V * d * c  # one dense gradient of the tied weight
     if setup.loss_chunk_tokens <= 0:
         led.moment("loss forward: logits and log-probabilities", loss=T * V * (c + float_copy + 4))
         led.moment("loss backward: log-softmax gradient", loss=3 * T * V * 4)
-        led.moment("backward: output projection", loss=T * V * c, grads=V * d * c)
+        led.moment("backward: output projection", loss=T * V * c, grads=new, acts=T * d * c)
+        led.add("grads", new)
     else:
         n = min(setup.loss_chunk_tokens, T)
         led.add("loss", T * d * c)
         led.moment("loss forward: one chunk", loss=n * V * (c + float_copy + 4))
-        led.moment("loss backward: one chunk", loss=3 * n * V * 4, grads=V * d * c)
-        led.moment("backward: chunk output projection", loss=n * V * c,
-                   grads=EMBED_GRAD_COPIES * V * d * c)
+        led.moment("loss backward: one chunk (recomputed)", loss=3 * n * V * 4)
+        led.moment("backward: chunk output projection", loss=n * V * c, grads=new)
+        led.add("grads", new)
+        if -(-T // n) > 1:  # the first accumulation is out of place
+            led.moment("loss backward: one chunk (recomputed)", loss=3 * n * V * 4)
+            led.moment("backward: chunk output projection", loss=n * V * c, grads=new)
+            led.moment("backward: chunk weight-gradient accumulation", grads=2 * new)
         led.sub("loss", T * d * c)
-    led.add("grads", V * d * c)
+    accumulated = setup.loss_chunk_tokens > 0 and -(-T // setup.loss_chunk_tokens) > 1
     for kind, value in reversed(trace.events):
         if kind == "act":
             led.sub("acts", value)
+        elif kind == "exit" and value in profile.layer_params:
+            led.moment(f"backward: {value}",
+                       acts=2 * trace.max_act.get(value, 0) + T * d * c)
         elif kind == "enter" and value in profile.layer_params:
             n_params = profile.layer_params[value]
-            led.moment(f"backward: {value}",
-                       acts=2 * trace.max_act.get(value, 0) + T * d * c, grads=n_params * c)
+            led.moment(f"backward: {value} gradients", grads=n_params * c, acts=2 * T * d * c)
             led.add("grads", n_params * c)
         elif kind == "enter" and value in profile.embed_paths:
-            led.moment(f"backward: {value} (embedding gradient)",
-                       grads=(EMBED_GRAD_COPIES - 1) * V * d * c)
+            extra = V * d * c if accumulated else 2 * V * d * c
+            led.moment(f"backward: {value} (embedding gradient)", grads=extra)
+            accumulated = True
     rest = P * c - V * d * c - sum(profile.layer_params.values()) * c
     led.add("grads", max(rest, 0))
     largest = max(math.prod(s) for u in profile.units for s in u.shapes)
@@ -730,7 +831,12 @@ def estimate(profile: ModelProfile, setup: Setup) -> Estimate:
     if setup.world_size % setup.replicate_degree:
         raise ValueError(f"replicate degree {setup.replicate_degree} does not divide world size "
                          f"{setup.world_size}")
-    baseline = int(setup.cpu_baseline_gb * GIB) if setup.device == "cpu" else 0
+    if setup.device != "cpu":
+        baseline = 0
+    elif setup.cpu_baseline_gb is not None:
+        baseline = int(setup.cpu_baseline_gb * GIB)
+    else:
+        baseline = cpu_baseline_bytes(profile.vocab)
     classes: list[RankEstimate] = []
     if setup.backend == "legacy_ddp":
         groups = {0: list(range(setup.world_size))}
@@ -753,11 +859,13 @@ def estimate(profile: ModelProfile, setup: Setup) -> Estimate:
     notes = []
     if setup.device == "cpu":
         notes.append(f"CPU: peak resident memory (VmHWM); 'other' includes a runtime baseline of "
-                     f"{setup.cpu_baseline_gb:.3f} GiB (Python, torch, fairseq, gloo, data "
-                     f"loader), measured on this project's machine")
+                     f"{baseline / GIB:.3f} GiB (Python, torch, fairseq, gloo, data loader, "
+                     f"dictionaries), measured on this project's machine")
     else:
         notes.append("CUDA: caching-allocator peak of allocated tensors (what the memory log "
-                     "reports); CUDA context, NCCL buffers and allocator fragmentation not included")
+                     "reports); CUDA context, NCCL buffers and allocator fragmentation not "
+                     "included; attention as PyTorch's fused kernels keep it (q, k, v, output, "
+                     "log-sum-exp). Validated on CPU only (no GPU on the project's machine)")
     w = profile.workload
     notes.append(f"batch: {w.batch} sentences x {w.seq_len} tokens = {w.tokens} tokens per "
                  f"rank, no padding; vocabulary {profile.vocab:,}; steady state (update >= 2)")

@@ -1,0 +1,36 @@
+"""``python -m fairseq_fsdp2.plot_memory MEMORY_JSONL OUT.png``: per-rank peak over updates.
+
+Reads the ``<save-dir>/memory.jsonl`` a run wrote (one line per log interval) and draws one line
+per rank. ``--predicted-gb X`` adds the estimator's prediction as a dashed line.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from .memory.plot import plot_memory_log, read_memory_log
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fairseq_fsdp2.plot_memory",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("memory_jsonl", help="a run's <save-dir>/memory.jsonl")
+    parser.add_argument("out_png", help="the PNG to write")
+    parser.add_argument("--title", default=None)
+    parser.add_argument("--predicted-gb", type=float, default=None,
+                        help="draw the estimator's predicted per-rank peak")
+    args = parser.parse_args(argv)
+    try:
+        records = read_memory_log(args.memory_jsonl)
+    except (OSError, ValueError) as e:
+        print(f"fairseq_fsdp2.plot_memory: error: {e}", file=sys.stderr)
+        return 2
+    out = plot_memory_log(records, args.out_png, title=args.title,
+                          predicted_gb=args.predicted_gb)
+    print(f"wrote {out} ({len(records)} intervals, {len(records[0]['ranks'])} rank(s))")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

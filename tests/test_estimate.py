@@ -1,0 +1,275 @@
+"""The memory estimator (python -m fairseq_fsdp2.estimate) and the memory plot.
+
+1. Validation: real fairseq-train runs on this machine (FSDP2, gloo, 1 and 2 ranks, fp32 and
+   bf16, root reshard default/always, per-layer and legacy-equivalent plans, stock and chunked
+   loss) on a model whose 50,000-word vocabulary makes tensors most of the memory; the measured
+   per-rank peak (memory.jsonl, updates >= 2) is within 10% of the prediction made from the same
+   command line.
+2. The estimator on its own: the NLLB sizes at 1 to 64 ranks without allocating, uneven shards
+   as rank classes, HSDP, legacy_ddp, the chunked loss, and the meta-device activation trace
+   against a real CPU forward.
+3. The plot command.
+"""
+from __future__ import annotations
+
+import json
+import random
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import PLUGIN
+from launcher import run_ranks
+
+from fairseq_fsdp2 import estimate as cli
+from fairseq_fsdp2 import plot_memory
+from fairseq_fsdp2.memory import estimate as est
+from fairseq_fsdp2.memory.plot import per_rank_series, read_memory_log
+
+GIB = 1024 ** 3
+NLLB_VOCAB = 256_206
+VOCAB = 50_000
+SENTENCE = 20  # words; + </s> = 21 tokens, source and target
+TOKENS = 40 * (SENTENCE + 1)  # --max-tokens: 40 sentences, a multiple of 8, no padding
+
+
+def make_big_vocab_corpus(root: Path, n_train: int = 600) -> Path:
+    """Random sentences over a VOCAB-entry dictionary, binarized by fairseq-preprocess."""
+    raw = root / "raw"
+    raw.mkdir(parents=True)
+    symbols = VOCAB - 4  # fairseq adds <s> <pad> </s> <unk>
+    with open(root / "dict.txt", "w") as f:
+        f.writelines(f"w{i} {symbols - i}\n" for i in range(symbols))
+    rng = random.Random(0)
+    for split, n in (("train", n_train), ("valid", 16)):
+        with open(raw / f"{split}.src", "w") as s, open(raw / f"{split}.tgt", "w") as t:
+            for _ in range(n):
+                words = [f"w{rng.randrange(symbols)}" for _ in range(SENTENCE)]
+                s.write(" ".join(words) + "\n")
+                t.write(" ".join(reversed(words)) + "\n")
+    out = root / "bin"
+    subprocess.run([sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "src",
+                    "--target-lang", "tgt", "--trainpref", str(raw / "train"),
+                    "--validpref", str(raw / "valid"), "--destdir", str(out),
+                    "--srcdict", str(root / "dict.txt"), "--tgtdict", str(root / "dict.txt"),
+                    "--workers", "1"], check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def big_vocab(tmp_path_factory) -> Path:
+    return make_big_vocab_corpus(tmp_path_factory.mktemp("big_vocab"))
+
+
+def train_args(data: Path, save_dir: Path, *extra: str) -> list[str]:
+    """A fairseq-train command line (an NLLB-layout model, dim 256, 50k shared vocabulary)."""
+    return [str(data), "--user-dir", PLUGIN, "--task", "translation",
+            "--arch", "transformer_nllb_tiny", "--encoder-embed-dim", "256",
+            "--decoder-embed-dim", "256", "--optimizer", "adam", "--lr", "1e-4",
+            "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+            "--max-tokens", str(TOKENS), "--max-update", "3", "--log-format", "json",
+            "--log-interval", "1", "--seed", "1", "--cpu", "--no-progress-bar",
+            "--disable-validation", "--save-dir", str(save_dir), "--no-epoch-checkpoints",
+            "--fsdp2-no-consolidate", "--ddp-backend", "fsdp2", *extra]
+
+
+# -- 1. validation against real runs ---------------------------------------------------------
+
+VALIDATION = {
+    "1 rank, fp32, per-layer, root default": (1, ["--min-params-to-wrap", "1"]),
+    "2 ranks, fp32, per-layer, root always": (
+        2, ["--min-params-to-wrap", "1", "--fsdp2-root-reshard", "always"]),
+    "2 ranks, bf16, legacy-equivalent plan (1e8)": (
+        2, ["--min-params-to-wrap", "100000000", "--bf16"]),
+    "2 ranks, fp32, per-layer, root always, chunked loss": (
+        2, ["--min-params-to-wrap", "1", "--fsdp2-root-reshard", "always",
+            "--criterion", "label_smoothed_cross_entropy_chunked", "--loss-chunk-tokens", "256"]),
+}
+
+
+@pytest.mark.parametrize("name", list(VALIDATION))
+def test_prediction_within_10_percent_of_measured_peak(big_vocab, tmp_path, name):
+    ranks, flags = VALIDATION[name]
+    args = train_args(big_vocab, tmp_path / "ckpt", *flags)
+    results = run_ranks(ranks, lambda r: args, timeout=240)
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank} exited {r.returncode}:\n{r.output[-3000:]}"
+    records = read_memory_log(tmp_path / "ckpt" / "memory.jsonl")
+    assert [rec["num_updates"] for rec in records] == [1, 2, 3]
+    steady = [rec for rec in records if rec["num_updates"] >= 2]  # update 1 builds state
+    measured = {r["rank"]: max(x["peak_gb"] for rec in steady for x in rec["ranks"]
+                               if x["rank"] == r["rank"]) for r in steady[0]["ranks"]}
+
+    (prediction,) = cli.estimate_args(args + ["--world-size", str(ranks),
+                                              "--seq-len", str(SENTENCE + 1)])
+    assert prediction.setup.device == "cpu" and prediction.workload.tokens == TOKENS
+    report = (f"{name}: measured {measured} GiB, predicted "
+              f"{[(c.ranks, round(c.peak_gb, 3)) for c in prediction.classes]}\n"
+              f"{prediction.table()}")
+    print(report)
+    for cls in prediction.classes:
+        for rank in cls.ranks:
+            assert abs(cls.peak_gb - measured[rank]) <= 0.10 * measured[rank], report
+    # the tensors are most of it: an estimate of the runtime baseline alone would be far off
+    baseline = prediction.classes[0].breakdown["other"] / GIB
+    assert max(measured.values()) > 1.5 * baseline, report
+
+
+# -- 2. the estimator on its own -------------------------------------------------------------
+
+def nllb_args(arch: str, *extra: str) -> list[str]:
+    return ["unused-data", "--task", "translation", "--vocab-size", str(NLLB_VOCAB),
+            "--arch", arch, "--max-tokens", "4096", "--ddp-backend", "fsdp2",
+            "--min-params-to-wrap", "1", "--optimizer", "adam", *extra]
+
+
+NLLB_PARAMS = {"transformer_nllb_600m": 615_073_792, "transformer_nllb_1_3b": 1_370_638_336,
+               "transformer_nllb_3_3b": 3_344_863_232}
+
+
+@pytest.mark.parametrize("arch", list(NLLB_PARAMS))
+def test_nllb_sizes_1_to_64_ranks_without_allocating(arch):
+    before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+    default, always = (
+        cli.estimate_args(nllb_args(arch, "--fp16", "--fsdp2-root-reshard", rr,
+                                    "--world-size", "1", "2", "8", "64"))
+        for rr in ("default", "always"))
+    assert (torch.cuda.memory_allocated() if torch.cuda.is_available() else 0) == before
+    params = NLLB_PARAMS[arch]
+    peaks = [e.peak for e in default]
+    assert peaks == sorted(peaks, reverse=True) and peaks[0] > peaks[-1]
+    for e_default, e_always in zip(default, always):
+        w = e_default.setup.world_size
+        top = e_default.classes[0].breakdown
+        assert e_default.setup.device == "cuda" and top["other"] < 0.1 * GIB  # no CPU baseline
+        # fp32 master shards: params x 4 / w, and rank 0 holds the rounded-up rows
+        assert params * 4 / w <= top["sharded"] <= params * 4 / w * 1.002
+        assert top["optim"] == 2 * top["sharded"]  # adam: two fp32 states per parameter
+        # at 4096 tokens the stock loss's tokens x 256,206 tensors dominate, in both settings
+        assert top["loss"] >= 3 * 4096 * NLLB_VOCAB * 4
+        # resharding the root and the embedding can only lower the peak
+        assert e_always.peak <= e_default.peak
+    # at the loss peak, `default` keeps the fp16 embedding gathered, `always` does not
+    dim = 2048 if arch == "transformer_nllb_3_3b" else 1024
+    assert default[-1].classes[0].breakdown["gathered"] >= NLLB_VOCAB * dim * 2
+    assert always[-1].classes[0].breakdown["gathered"] < NLLB_VOCAB * dim * 2
+
+
+def test_uneven_shards_make_rank_classes_and_hsdp_shards_within_groups():
+    (eight,) = cli.estimate_args(nllb_args("transformer_nllb_600m", "--world-size", "8"))
+    # 256,206 rows over 8 ranks: 32,026 on ranks 0-6, 32,024 on rank 7
+    assert [c.ranks for c in eight.classes] == [[0, 1, 2, 3, 4, 5, 6], [7]]
+    diff = eight.classes[0].breakdown["sharded"] - eight.classes[1].breakdown["sharded"]
+    assert diff == 2 * 1024 * 4
+    (hsdp,) = cli.estimate_args(nllb_args("transformer_nllb_600m", "--world-size", "8",
+                                          "--replicate-degree", "2"))
+    (four,) = cli.estimate_args(nllb_args("transformer_nllb_600m", "--world-size", "4"))
+    assert hsdp.classes[0].breakdown["sharded"] == four.classes[0].breakdown["sharded"]
+    assert hsdp.peak == four.peak
+    assert sorted(r for c in hsdp.classes for r in c.ranks) == list(range(8))
+
+
+def test_legacy_ddp_and_chunked_loss():
+    small = ["--arch", "transformer_nllb_tiny", "--encoder-embed-dim", "128",
+             "--decoder-embed-dim", "128", "--max-tokens", "1024", "--cpu"]
+    base = ["unused-data", "--task", "translation", "--vocab-size", str(NLLB_VOCAB), *small]
+    one, two = cli.estimate_args(base + ["--ddp-backend", "legacy_ddp",
+                                         "--world-size", "1", "2"])
+    params = sum(p.numel() for p in cli.build_meta_model(cli.parse(base)).parameters())
+    # every rank holds the model; from 2 ranks, also fairseq's model-sized all-reduce buffer
+    assert two.classes[0].breakdown["comm"] == params * 4
+    assert two.peak - one.peak == params * 4
+    assert one.classes[0].breakdown["gathered"] == params * 4
+    (fsdp,) = cli.estimate_args(base + ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1",
+                                        "--fsdp2-root-reshard", "always", "--world-size", "2"])
+    (chunked,) = cli.estimate_args(base + [
+        "--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", "--fsdp2-root-reshard", "always",
+        "--criterion", "label_smoothed_cross_entropy_chunked", "--loss-chunk-tokens", "64",
+        "--world-size", "2"])
+    assert fsdp.classes[0].moment == "loss backward: log-softmax gradient"
+    assert fsdp.classes[0].breakdown["loss"] == 3 * 1024 * NLLB_VOCAB * 4
+    assert chunked.classes[0].breakdown["loss"] <= 64 * NLLB_VOCAB * 4 * 3 + 1024 * 128 * 4
+    assert chunked.peak < 0.6 * fsdp.peak
+    # CPU: the runtime baseline (with NLLB's dictionaries) is part of every figure
+    assert one.classes[0].breakdown["other"] >= est.cpu_baseline_bytes(NLLB_VOCAB)
+    assert est.cpu_baseline_bytes(NLLB_VOCAB) > est.cpu_baseline_bytes(100)
+
+
+def test_cli_prints_the_breakdown(capsys):
+    assert cli.main(nllb_args("transformer_nllb_600m", "--fp16", "--world-size", "8")) == 0
+    out = capsys.readouterr().out
+    for _, label in est.CATEGORIES:
+        assert label in out
+    assert "ranks 0-6" in out and "rank 7" in out and "peak per rank (GiB)" in out
+    assert "fsdp2 x 8" in out and "fp16" in out and "CUDA" in out
+    assert cli.main(nllb_args("transformer_nllb_600m", "--world-size", "1", "64")) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[3].split()[0] == "1" and lines[4].split()[0] == "64"
+
+
+def saved_bytes_on_cpu(model, batch: int, seq: int) -> int:
+    """Bytes of the tensors autograd saves in a real CPU forward (each storage once)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    tokens = torch.randint(4, 60, (batch, seq))
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, torch.full((batch,), seq), tokens.clone(), features_only=True)
+    return sum(seen.values())
+
+
+def test_meta_trace_counts_what_a_real_forward_saves():
+    args = cli.parse(["unused-data", "--task", "translation", "--vocab-size", "64",
+                      "--arch", "transformer_nllb_tiny", "--max-tokens", "168",
+                      "--seq-len", "21"])
+    torch.manual_seed(0)
+    real = cli.build_task(args).build_model(args)
+    meta = cli.build_meta_model(args)
+    workload = est.workload_for(args.max_tokens, None, args.seq_len)
+    assert (workload.batch, workload.tokens) == (8, 168)
+    trace = est.trace_forward(meta, [], workload, torch.float32, features_only=True)
+    assert trace.act_bytes == saved_bytes_on_cpu(real, 8, 21) > 0
+    # CUDA's fused attention keeps no batch x heads x L x L probabilities: 6 attention calls
+    # (2 encoder self, 2 decoder self, 2 cross), each with 4 heads
+    cuda = est.resolve(trace, "cuda")
+    assert sum(1 for kind, _ in trace.events if kind == "attn") == 6
+    assert trace.act_bytes - cuda.act_bytes >= 6 * 8 * 4 * 21 * 21 * 4
+
+
+# -- 3. the plot -----------------------------------------------------------------------------
+
+def test_plot_memory_writes_a_png(tmp_path, capsys):
+    log = tmp_path / "memory.jsonl"
+    log.write_text("".join(json.dumps({"num_updates": u, "device": "cpu", "ranks": [
+        {"rank": 0, "peak_gb": 1.0 + u / 10, "reserved_gb": 0.0, "alloc_retries": 0.0},
+        {"rank": 1, "peak_gb": 0.9 + u / 10, "reserved_gb": 0.0, "alloc_retries": 0.0}]})
+        + "\n" for u in (2, 4, 6)))
+    assert per_rank_series(read_memory_log(log)) == {0: ([2, 4, 6], [1.2, 1.4, 1.6]),
+                                                     1: ([2, 4, 6], [1.1, 1.3, 1.5])}
+    out = tmp_path / "plots" / "memory.png"
+    proc = subprocess.run([sys.executable, "-m", "fairseq_fsdp2.plot_memory", str(log),
+                           str(out), "--predicted-gb", "1.5"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])
+    assert (width, height) == (800, 450) and len(data) > 10_000
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"num_updates": 1}\n')
+    assert plot_memory.main([str(bad), str(tmp_path / "bad.png")]) == 2
+    assert "not a memory.jsonl record" in capsys.readouterr().err
+    assert not (tmp_path / "bad.png").exists()

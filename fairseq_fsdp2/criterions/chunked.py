@@ -87,9 +87,10 @@ class LabelSmoothedCrossEntropyChunkedCriterion(LabelSmoothedCrossEntropyCriteri
     def forward(self, model, sample, reduce=True):
         if not use_chunks(model, self.loss_chunk_tokens, reduce):
             return super().forward(model, sample, reduce=reduce)
-        loss, nll_loss, n_correct, total = chunked_sums(
-            model, sample, self.chunk_loss, self.loss_chunk_tokens, self.padding_idx,
-            self.ignore_prefix_size)
+        # index, don't unpack (unbind views): fairseq does `loss *= 0` on dummy batches
+        sums = chunked_sums(model, sample, self.chunk_loss, self.loss_chunk_tokens,
+                            self.padding_idx, self.ignore_prefix_size)
+        loss, nll_loss, n_correct, total = sums[0], sums[1], sums[2], sums[3]
         sample_size = sample_size_of(self, sample)
         logging_output = {
             "loss": loss.data,
@@ -130,8 +131,8 @@ class CrossEntropyChunkedCriterion(CrossEntropyCriterion):
     def forward(self, model, sample, reduce=True):
         if not use_chunks(model, self.loss_chunk_tokens, reduce):
             return super().forward(model, sample, reduce=reduce)
-        (loss,) = chunked_sums(model, sample, self.chunk_loss, self.loss_chunk_tokens,
-                               self.padding_idx)
+        loss = chunked_sums(model, sample, self.chunk_loss, self.loss_chunk_tokens,
+                            self.padding_idx)[0]
         sample_size = sample_size_of(self, sample)
         logging_output = {
             "loss": loss.data,

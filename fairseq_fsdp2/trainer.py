@@ -49,6 +49,7 @@ class FSDP2Trainer(Trainer):
         self.sharding_plan: ShardingPlan | None = None
         self._overflowed = False
         self._loading_from: str | None = None  # the checkpoint file being loaded
+        self._shards: str | None = None  # written by consolidate_optimizer, for state_dict
         self._memory = MemoryMonitor(
             self.device,
             None if cfg.checkpoint.no_save else os.path.join(cfg.checkpoint.save_dir,
@@ -148,21 +149,14 @@ class FSDP2Trainer(Trainer):
 
     # -- checkpoints ---------------------------------------------------------------------------
     # fairseq's own save/load code runs unchanged; the model and optimizer entries of its
-    # checkpoint file reference a DCP shard directory (checkpoint/sharded.py), written by every
-    # rank and read back by the hooks below, at any world size.
-    @property
-    def always_call_state_dict_during_save_checkpoint(self) -> bool:
-        return True  # writing shards is a collective: every rank takes part
-
-    def save_checkpoint(self, filename, extra_state):
-        # fairseq calls this on the saving rank only when it saves a crash.pt after an error
-        # in train_step; writing shards needs every rank, so the others join here.
-        if not self.should_save_checkpoint_on_current_rank:
-            self.state_dict()
-            return None
-        return super().save_checkpoint(filename, extra_state)
-
-    def state_dict(self):
+    # checkpoint file (written by rank 0) reference a DCP shard directory
+    # (checkpoint/sharded.py), written by every rank and read back by the hooks below, at any
+    # world size.
+    def consolidate_optimizer(self):
+        """Write the shards. fairseq calls this on every rank at every save point (after its
+        --no-save check, before deciding which files to write, and before a crash.pt), so
+        the collective write happens on all ranks even when rank 0 then writes no file;
+        ``state_dict()`` on the saving rank only references the result."""
         # Units that keep their parameters gathered after forward (root and shared embedding
         # with --fsdp2-root-reshard default) are still unsharded after validation's
         # forward-only pass; their entries would be plain tensors whose storage the next
@@ -170,17 +164,25 @@ class FSDP2Trainer(Trainer):
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
-        state = super().state_dict()  # model and optimizer entries are cheap shard references
+        self._gathered_optim_state = None  # fairseq's state_dict() reads it
         save_dir = self.cfg.checkpoint.save_dir
         if self.data_parallel_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             sharded.remove_unreferenced(save_dir)
-        keep_optimizer = "last_optimizer_state" in state
-        rel = sharded.save(self.model, self.optimizer.optimizer if keep_optimizer else None,
-                           save_dir, self.get_num_updates())
+        keep_optimizer = not self.cfg.checkpoint.no_save_optimizer_state
+        self._shards = sharded.save(self.model,
+                                    self.optimizer.optimizer if keep_optimizer else None,
+                                    save_dir, self.get_num_updates())
+
+    def state_dict(self):
+        if self._shards is None:
+            raise RuntimeError("state_dict() needs consolidate_optimizer() first, on every "
+                               "rank: the shards are written collectively there")
+        rel, self._shards = self._shards, None
+        state = super().state_dict()  # model and optimizer entries are cheap shard references
         buffers = {k: v for k, v in state["model"].items() if not isinstance(v, DTensor)}
         state["model"] = {sharded.SHARDED: rel, **buffers}  # buffers: tiny, for fairseq's upgrade
-        if keep_optimizer:
+        if "last_optimizer_state" in state:
             scale = state["last_optimizer_state"].get("loss_scale")
             state["last_optimizer_state"] = {sharded.SHARDED: rel,
                                              **({"loss_scale": scale} if scale else {})}

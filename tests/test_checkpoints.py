@@ -231,3 +231,12 @@ def test_missing_restore_file_and_stock_checkpoint_of_another_model(saved_run, t
                                            *extra))[0]
         lines = [l for l in r.output.splitlines() if l.startswith("fairseq_fsdp2: error:")]
         assert r.returncode == 2 and len(lines) == 1 and message in lines[0], r.output[-2000:]
+
+
+def test_save_point_without_a_file_to_write_does_not_hang(train_args):
+    """At an epoch end with --no-epoch-checkpoints --no-last-checkpoints fairseq writes no
+    file; every rank must still agree on the (collective) shard write."""
+    out = ok(run_ranks(2, lambda r: train_args(*FSDP2, "--no-epoch-checkpoints",
+                                               "--no-last-checkpoints", save=True, updates=14),
+                       timeout=120))
+    assert len(train_inner(out)) == 14

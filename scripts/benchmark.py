@@ -302,7 +302,8 @@ def write_report(path: Path, png: Path, rows: list[dict], info: dict, setup: dic
         "log); the per-rank peak is the largest over updates 2 onward, all ranks. It includes "
         "the process's runtime baseline (Python, torch, fairseq, gloo, dictionaries: about "
         f"{setup['baseline_gb']:.2f} GiB here), which no backend can shard. Words/s: median of "
-        "fairseq's per-update `wps` (target words, all ranks), updates 2 onward. "
+        "fairseq's per-update `wps` (target words, all ranks), updates 2 onward; other jobs may "
+        "share this machine, so words/s carry some noise (peaks do not). "
         "\"predicted\": `python -m fairseq_fsdp2.estimate` with the same command line "
         "(`--seq-len 21`).",
         "",

@@ -69,12 +69,7 @@ def plot_memory_log(records: list[dict], out, *, title: Optional[str] = None,
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     ax.legend(loc="lower right", fontsize=8, ncol=max(1, len(series) // 8))
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, out)
 
 
 def plot_benchmark(rows: Sequence[dict], out, *, title: str) -> Path:
@@ -113,6 +108,10 @@ def plot_benchmark(rows: Sequence[dict], out, *, title: str) -> Path:
     ax.set_ylim(0, top * 1.35)  # room for the legend above the bars
     ax.legend(fontsize=8, loc="upper center", ncol=3)
     ax.grid(True, axis="y", alpha=0.3)
+    return _save(plt, fig, out)
+
+
+def _save(plt, fig, out) -> Path:
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import platform
-import random
 import socket
 import statistics
 import subprocess
@@ -68,24 +67,9 @@ def make_corpus(root: Path, n_train: int) -> Path:
     out = root / "bin"
     if (out / "train.src-tgt.src.bin").exists():
         return out
-    raw = root / "raw"
-    raw.mkdir(parents=True, exist_ok=True)
-    symbols = NLLB_VOCAB - 4  # + <s> <pad> </s> <unk>
-    with open(root / "dict.txt", "w") as f:
-        f.writelines(f"tok{i} {symbols - i}\n" for i in range(symbols))
-    rng = random.Random(0)
-    for split, n in (("train", n_train), ("valid", 16)):
-        with open(raw / f"{split}.src", "w") as s, open(raw / f"{split}.tgt", "w") as t:
-            for _ in range(n):
-                words = [f"tok{rng.randrange(symbols)}" for _ in range(WORDS)]
-                s.write(" ".join(words) + "\n")
-                t.write(" ".join(reversed(words)) + "\n")
-    subprocess.run([sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "src",
-                    "--target-lang", "tgt", "--trainpref", str(raw / "train"),
-                    "--validpref", str(raw / "valid"), "--destdir", str(out),
-                    "--srcdict", str(root / "dict.txt"), "--tgtdict", str(root / "dict.txt"),
-                    "--workers", "1"], check=True, capture_output=True)
-    return out
+    from fairseq_fsdp2.data.synthetic import write_random_corpus
+    return write_random_corpus(root, vocab=NLLB_VOCAB, words=WORDS, n_train=n_train,
+                               prefix="tok")
 
 
 # -- running ---------------------------------------------------------------------------------

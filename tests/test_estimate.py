@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import json
-import random
 import struct
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from launcher import run_ranks
 
 from fairseq_fsdp2 import estimate as cli
 from fairseq_fsdp2 import plot_memory
+from fairseq_fsdp2.data.synthetic import write_random_corpus
 from fairseq_fsdp2.memory import estimate as est
 from fairseq_fsdp2.memory.plot import per_rank_series, read_memory_log
 
@@ -39,25 +39,7 @@ TOKENS = 40 * (SENTENCE + 1)  # --max-tokens: 40 sentences, a multiple of 8, no 
 
 def make_big_vocab_corpus(root: Path, n_train: int = 600) -> Path:
     """Random sentences over a VOCAB-entry dictionary, binarized by fairseq-preprocess."""
-    raw = root / "raw"
-    raw.mkdir(parents=True)
-    symbols = VOCAB - 4  # fairseq adds <s> <pad> </s> <unk>
-    with open(root / "dict.txt", "w") as f:
-        f.writelines(f"w{i} {symbols - i}\n" for i in range(symbols))
-    rng = random.Random(0)
-    for split, n in (("train", n_train), ("valid", 16)):
-        with open(raw / f"{split}.src", "w") as s, open(raw / f"{split}.tgt", "w") as t:
-            for _ in range(n):
-                words = [f"w{rng.randrange(symbols)}" for _ in range(SENTENCE)]
-                s.write(" ".join(words) + "\n")
-                t.write(" ".join(reversed(words)) + "\n")
-    out = root / "bin"
-    subprocess.run([sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "src",
-                    "--target-lang", "tgt", "--trainpref", str(raw / "train"),
-                    "--validpref", str(raw / "valid"), "--destdir", str(out),
-                    "--srcdict", str(root / "dict.txt"), "--tgtdict", str(root / "dict.txt"),
-                    "--workers", "1"], check=True, capture_output=True)
-    return out
+    return write_random_corpus(root, vocab=VOCAB, words=SENTENCE, n_train=n_train)
 
 
 @pytest.fixture(scope="module")

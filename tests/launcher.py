@@ -1,14 +1,21 @@
 """Launch real multi-process fairseq runs the way torchrun does (one process per rank, the
 torchrun environment variables set), so that per-rank flags such as stock fairseq's
-``--distributed-rank`` can differ between ranks."""
+``--distributed-rank`` can differ between ranks. Rank processes are forked by a pre-imported
+server (forkserver.py) so that the suite does not pay the torch/fairseq import in every run."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 
@@ -33,30 +40,150 @@ def base_env(extra: Optional[dict] = None) -> dict:
     return env
 
 
-def run_ranks(nproc: int, args: Callable[[int], Sequence[str]], *, timeout: float = 240,
-              module: str = "fairseq_cli.train", env: Optional[dict] = None) -> list[RankResult]:
-    """Run ``python -m module args(rank)`` on nproc ranks; kill all of them after timeout."""
+class ForkServer:
+    """Client of tests/forkserver.py: starts rank processes without re-importing torch and
+    fairseq each time (see there). One per test session, started on first use."""
+
+    def __init__(self):
+        self._proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("forkserver.py"))],
+            env=base_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            cwd=str(Path(__file__).parent))
+        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._answers: dict[str, dict] = {}
+        self._ids = itertools.count()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            answer = json.loads(line)
+            with self._cond:
+                self._answers.setdefault(answer["id"], {}).update(answer)
+                self._cond.notify_all()
+
+    def _wait_for(self, key: str, field: str, timeout: Optional[float]):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while field not in self._answers.get(key, {}):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise subprocess.TimeoutExpired(key, timeout)
+                if self._proc.poll() is not None:
+                    raise RuntimeError("the test fork server died")
+                self._cond.wait(left if left is not None else 1.0)
+            return self._answers[key][field]
+
+    def start(self, module: str, args: Sequence[str], env: dict, out: str) -> "Forked":
+        key = str(next(self._ids))
+        request = {"id": key, "module": module, "args": list(args), "env": env,
+                   "cwd": os.getcwd(), "out": out}
+        with self._lock:
+            self._proc.stdin.write(json.dumps(request) + "\n")
+            self._proc.stdin.flush()
+        return Forked(self, key, self._wait_for(key, "pid", 60), out)
+
+
+class Forked:
+    """A rank process started by the fork server, with the parts of Popen the tests use."""
+
+    def __init__(self, server: ForkServer, key: str, pid: int, out: str):
+        self.server, self.key, self.pid, self.out = server, key, pid, out
+        self.returncode: Optional[int] = None
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        if self.returncode is None:
+            self.returncode = self.server._wait_for(self.key, "returncode", timeout)
+        return self.returncode
+
+    def poll(self) -> Optional[int]:
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def output(self) -> str:
+        with open(self.out, errors="replace") as f:
+            return f.read()
+
+
+class Spawned(subprocess.Popen):
+    """A rank started as a fresh interpreter (``python -m``), for runs whose imports must see
+    their own environment (e.g. a package on PYTHONPATH that fairseq probes at import)."""
+
+    def __init__(self, module: str, args: Sequence[str], env: dict, out: str):
+        self.out = out
+        with open(out, "w") as f:
+            super().__init__([sys.executable, "-m", module, *args], env=env, stdout=f,
+                             stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        with open(self.out, errors="replace") as f:
+            return f.read()
+
+
+_server: Optional[ForkServer] = None
+
+
+def fork_server() -> ForkServer:
+    global _server
+    if _server is None:
+        _server = ForkServer()
+    return _server
+
+
+def start_ranks(nproc: int, args: Callable[[int], Sequence[str]], *,
+                module: str = "fairseq_cli.train", env: Optional[dict] = None,
+                fresh_interpreter: bool = False) -> list:
+    """Start ``python -m module args(rank)`` on nproc ranks (torchrun's environment): forked
+    from the pre-imported server, or as fresh interpreters."""
     port = free_port()
+    logs = tempfile.mkdtemp(prefix="ranks-")
     procs = []
     for rank in range(nproc):
         e = base_env(env)
         e.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                   "WORLD_SIZE": str(nproc), "RANK": str(rank), "LOCAL_RANK": str(rank),
                   "LOCAL_WORLD_SIZE": str(nproc)})
-        procs.append(subprocess.Popen([sys.executable, "-m", module, *map(str, args(rank))],
-                                      env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
+        argv, out = [str(a) for a in args(rank)], os.path.join(logs, f"rank{rank}.log")
+        procs.append(Spawned(module, argv, e, out) if fresh_interpreter
+                     else fork_server().start(module, argv, e, out))
+    return procs
+
+
+def finish_ranks(procs: list, timeout: float = 240) -> list[RankResult]:
+    """Wait for every rank; kill all of them once ``timeout`` has passed."""
+    deadline = time.monotonic() + timeout
     results = []
     for rank, p in enumerate(procs):
+        note = ""
         try:
-            out, _ = p.communicate(timeout=timeout)
+            p.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            out, _ = p.communicate()
-            out += f"\n[launcher] rank {rank} killed after {timeout}s"
-        results.append(RankResult(rank, p.returncode, out))
+            p.wait(30)
+            note = f"\n[launcher] rank {rank} killed after {timeout}s"
+        results.append(RankResult(rank, p.returncode, p.output() + note))
     return results
+
+
+def run_ranks(nproc: int, args: Callable[[int], Sequence[str]], *, timeout: float = 240,
+              module: str = "fairseq_cli.train", env: Optional[dict] = None,
+              fresh_interpreter: bool = False) -> list[RankResult]:
+    """Run ``python -m module args(rank)`` on nproc ranks; kill all of them after timeout."""
+    return finish_ranks(start_ranks(nproc, args, module=module, env=env,
+                                    fresh_interpreter=fresh_interpreter), timeout)
 
 
 def train_inner(output: str) -> list[dict]:

@@ -6,7 +6,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
 py="${PYTHON:-python3}"
 stamp="$venv/.fairseq_fsdp2-setup"
-want="$(cat "$root/requirements.txt" "$root/requirements-fairseq.txt" "$root/pyproject.toml" "$root/scripts/setup.sh" | sha256sum | cut -d' ' -f1)"
+want="$(cat "$root/requirements.txt" "$root/requirements-fairseq.txt" "$root/requirements-dev.txt" "$root/pyproject.toml" "$root/scripts/setup.sh" | sha256sum | cut -d' ' -f1)"
 
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && "$venv/bin/python" -c "import fairseq, fairseq_fsdp2" 2>/dev/null; then
   exit 0
@@ -20,6 +20,9 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 # torch installed above (an isolated build would download a multi-GB CUDA torch), --no-deps keeps
 # pip from pulling torchaudio, which would replace torch.
 "${pip[@]}" install --no-deps --no-build-isolation -r "$root/requirements-fairseq.txt"
+# Test-only fairscale (see requirements-dev.txt): in its own folder, on no default path.
+"${pip[@]}" install --no-deps --no-build-isolation --upgrade --target "$venv/fixture-deps" \
+  -r "$root/requirements-dev.txt"
 # The plugin itself, editable, so that `--user-dir fairseq_fsdp2` and `import fairseq_fsdp2` agree.
 "${pip[@]}" install --no-deps --no-build-isolation -e "$root"
 "$venv/bin/python" -c "import torch, fairseq, fairseq_fsdp2; print('[setup] torch', torch.__version__, 'fairseq', fairseq.__version__)" >&2

@@ -1,4 +1,5 @@
-"""Consolidated export: a sharded FSDP2 checkpoint -> one stock fairseq checkpoint file.
+"""Consolidated export: a sharded FSDP2 checkpoint, or legacy FSDP's (fairscale)
+``--use-sharded-state`` shard files, -> one stock fairseq checkpoint file.
 
 The output holds the full model weights (tied weights under every alias, as fairseq stores
 them), cfg and training history, and no sharded or optimizer state, so stock
@@ -18,14 +19,41 @@ import torch.distributed.checkpoint as dcp
 
 from ..errors import CheckpointError
 from ..models.nllb import NLLB_SIZES
-from . import sharded
+from . import legacy_fairscale, sharded
 from .safe_load import read_checkpoint_file
 
 CONSOLIDATED_SUFFIX = "_consolidated.pt"
 
 
-def consolidate(checkpoint: str, out: str) -> str:
-    state = read_checkpoint_file(checkpoint)
+def consolidate(checkpoint: str, out: str, data: str | None = None) -> str:
+    """``checkpoint``: a file saved by --ddp-backend fsdp2, or one of legacy FSDP's
+    ``<name>-shard<rank>.pt`` files (or ``<name>.pt`` for all of them); ``data`` replaces the
+    data directory in a legacy save's cfg (the model is built from it to find tied weights)."""
+    legacy = legacy_fairscale.shard_files(checkpoint)
+    if legacy:
+        if any(os.path.abspath(out) == os.path.abspath(f) for f in legacy):
+            raise CheckpointError("OUT must not be one of the shard files")
+        states = legacy_fairscale.read_shards(legacy)
+        state = states[0]
+        model = legacy_fairscale.consolidate_shard_weights(
+            [s["model"] for s in states], [s["fsdp_metadata"] for s in states])
+        cfg = _stock_cfg(state.get("cfg"))
+        model = legacy_fairscale.add_module_aliases(model, cfg, data)
+    else:
+        state = read_checkpoint_file(checkpoint)
+        model = _fsdp2_model(checkpoint, state)
+        cfg = _stock_cfg(state.get("cfg"))
+    result = {k: v for k, v in state.items()
+              if k not in ("fsdp2", "fsdp_metadata", "last_optimizer_state")}
+    result["model"] = model
+    result["cfg"] = cfg
+    tmp = out + ".tmp"
+    torch.save(result, tmp)
+    os.replace(tmp, out)
+    return out
+
+
+def _fsdp2_model(checkpoint: str, state: dict) -> dict:
     info = state.get("fsdp2")
     if not isinstance(info, dict):
         raise CheckpointError(f"{checkpoint} is not a sharded FSDP2 checkpoint")
@@ -36,25 +64,22 @@ def consolidate(checkpoint: str, out: str) -> str:
     dcp.load({"model": model}, checkpoint_id=shard_dir, no_dist=True)
     for alias, canonical in info["aliases"].items():
         model[alias] = model[canonical]
-    result = {k: v for k, v in state.items() if k not in ("fsdp2", "last_optimizer_state")}
-    result["model"] = model
-    result["cfg"] = _stock_cfg(state.get("cfg"))
-    tmp = out + ".tmp"
-    torch.save(result, tmp)
-    os.replace(tmp, out)
-    return out
+    return model
 
 
 def _stock_cfg(cfg):
-    """The cfg as stock fairseq reads it: without the plugin's backend and options, and with
-    plain dicts for argparse Namespaces (legacy archs keep cfg.model as one), which
-    ``torch.load(weights_only=True)`` - torch's default since 2.6 - refuses to unpickle."""
+    """The cfg as stock fairseq reads it: without the plugin's backend and options (or legacy
+    FSDP's sharded state), and with plain dicts for argparse Namespaces (legacy archs keep
+    cfg.model as one), which ``torch.load(weights_only=True)`` - torch's default since 2.6 -
+    refuses to unpickle."""
     cfg = _plain(cfg)
     if not isinstance(cfg, dict) or not isinstance(cfg.get("distributed_training"), dict):
         return cfg
     dt = {k: v for k, v in cfg["distributed_training"].items() if not k.startswith("fsdp2_")}
-    if dt.get("ddp_backend") == "fsdp2":
+    if dt.get("ddp_backend") in ("fsdp2", "fully_sharded"):
         dt["ddp_backend"] = "pytorch_ddp"
+    if dt.get("use_sharded_state"):
+        dt["use_sharded_state"] = False
     cfg = {**cfg, "distributed_training": dt}
     model = cfg.get("model")
     if isinstance(model, dict) and {model.get("_name"), model.get("arch")} & set(NLLB_SIZES):
@@ -88,16 +113,19 @@ def consolidate_at_end(save_dir: str) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fairseq_fsdp2.consolidate",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="a checkpoint file saved by --ddp-backend fsdp2")
+    parser.add_argument("checkpoint", help="a checkpoint file saved by --ddp-backend fsdp2, or "
+                        "legacy FSDP's NAME-shard0.pt (or NAME.pt) from --use-sharded-state")
     parser.add_argument("out", help="the consolidated .pt file to write")
+    parser.add_argument("--data", help="legacy FSDP shards: the data directory, if it is no "
+                        "longer where the checkpoint's cfg says (to build the model)")
     args = parser.parse_args(argv)
     if os.path.abspath(args.out) == os.path.abspath(args.checkpoint):
-        print("consolidate: error: OUT must differ from CHECKPOINT", file=sys.stderr)
+        print("fairseq_fsdp2: error: OUT must differ from CHECKPOINT", file=sys.stderr)
         return 2
     try:
-        consolidate(args.checkpoint, args.out)
+        consolidate(args.checkpoint, args.out, args.data)
     except CheckpointError as e:
-        print(f"consolidate: error: {e}", file=sys.stderr)
+        print(f"fairseq_fsdp2: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.out}")
     return 0

@@ -65,6 +65,22 @@ class FSDP2DistributedTrainingConfig(DistributedTrainingConfig):
         metadata={"help": "FSDP2: do not write checkpoint_best/last_consolidated.pt (stock "
                           "fairseq format, read by fairseq-generate) at the end of training"},
     )
+    fsdp2_memory_breakdown: int = field(
+        default=0,
+        metadata={"help": "FSDP2: record update N's memory on every rank by category (sharded "
+                          "and gathered params, gradients, optimizer state, activations, "
+                          "logits/loss, comm buffers, other) and the top modules; rank 0 logs "
+                          "one table (a column per rank) and writes "
+                          "<save-dir>/memory_breakdown.json. Costs time on that update only; "
+                          "0: off"},
+    )
+    fsdp2_tied_grad_buffer: bool = field(
+        default=False,
+        metadata={"help": "FSDP2: accumulate the gradient of a tied embedding (encoder input, "
+                          "decoder input, output projection) in one vocab x dim buffer instead "
+                          "of one per use (up to 2 x vocab x dim less memory per rank in "
+                          "backward; same gradient up to float rounding)"},
+    )
 
 
 def validate(dt: FSDP2DistributedTrainingConfig, *, min_params_to_wrap: int, fp16: bool,
@@ -93,6 +109,10 @@ def validate(dt: FSDP2DistributedTrainingConfig, *, min_params_to_wrap: int, fp1
         raise OptionError(f"--fsdp2-reshard-degree {degree} must divide the shard group size "
                           f"{shard_size} (world size {world_size} / replicate degree "
                           f"{replicate}) and be neither 1 nor {shard_size}")
+    breakdown = getattr(dt, "fsdp2_memory_breakdown", 0)
+    if breakdown < 0:
+        raise OptionError(f"--fsdp2-memory-breakdown must be >= 0 (an update number; 0: off), "
+                          f"got {breakdown}")
     if degree > 0 and dt.no_reshard_after_forward:
         raise OptionError("--fsdp2-reshard-degree and --no-reshard-after-forward conflict: "
                           "choose one")

@@ -1,0 +1,185 @@
+"""--fsdp2-memory-breakdown N (per-rank memory by category for update N) and
+--fsdp2-tied-grad-buffer (one gradient buffer for the tied embedding).
+
+Two real 2-rank fairseq-train runs share the work: an NLLB-layout model (grouped shared-
+embedding unit plus per-layer units) on a 20,000-word vocabulary, so that the tied
+vocab x dim weight is most of the model, with the chunked loss (its logits stay small, so the
+tied gradient decides the peak). One run is the stock FSDP2 path (saving: the JSON is written),
+the other uses the tied-gradient buffer (--no-save: the table is only printed).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from conftest import PLUGIN
+from launcher import run_ranks, train_inner
+
+from fairseq_fsdp2 import tied_grad
+from fairseq_fsdp2.data.synthetic import write_random_corpus
+from fairseq_fsdp2.errors import OptionError
+from fairseq_fsdp2.memory.breakdown import FILE_NAME, Category
+from fairseq_fsdp2.options import FSDP2DistributedTrainingConfig, validate
+
+VOCAB, DIM = 20_000, 64  # transformer_nllb_tiny's dim
+TIED_BYTES = VOCAB * DIM * 4  # one fp32 vocab x dim gradient (5.1 MB)
+UPDATE = 2
+
+
+def train_args(data: Path, save_dir: Path, *extra: str) -> list[str]:
+    return [str(data), "--user-dir", PLUGIN, "--task", "translation",
+            "--arch", "transformer_nllb_tiny", "--optimizer", "adam", "--lr", "1e-3",
+            "--criterion", "label_smoothed_cross_entropy_chunked", "--loss-chunk-tokens", "16",
+            "--label-smoothing", "0.1", "--max-tokens", "144", "--max-update", "3",
+            "--log-format", "json", "--log-interval", "1", "--seed", "1", "--cpu",
+            "--no-progress-bar", "--disable-validation", "--save-dir", str(save_dir),
+            "--no-epoch-checkpoints", "--no-last-checkpoints", "--fsdp2-no-consolidate",
+            "--ddp-backend", "fsdp2", "--min-params-to-wrap", "1",
+            "--fsdp2-memory-breakdown", str(UPDATE), *extra]
+
+
+def ok(results) -> str:
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank} exited {r.returncode}:\n{r.output[-4000:]}"
+    return results[0].output
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("breakdown")
+    data = write_random_corpus(root / "corpus", vocab=VOCAB, words=8, n_train=64)
+    out = {}
+    for name, extra in (("stock", []), ("buffer", ["--fsdp2-tied-grad-buffer", "--no-save"])):
+        save_dir = root / name
+        output = ok(run_ranks(2, lambda r: train_args(data, save_dir, *extra)))
+        path = save_dir / FILE_NAME
+        out[name] = {"output": output, "json": path}
+    return out
+
+
+def test_json_has_a_column_per_rank_and_consistent_categories(runs):
+    doc = json.loads(runs["stock"]["json"].read_text())
+    assert doc["update"] == UPDATE and doc["units"] == "bytes"
+    assert doc["categories"] == [c.value for c in Category]
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1]
+    model_bytes = 4 * int(next(line for line in runs["stock"]["output"].splitlines()
+                               if "FSDP2 sharding plan" in line)
+                          .split(" parameters")[0].rsplit(" ", 1)[1].replace(",", ""))
+    for r in doc["ranks"]:
+        at, mx = r["at_peak"], r["max"]
+        assert sum(at.values()) == r["peak_bytes"] > 0  # the categories make up the peak
+        for c in doc["categories"]:
+            assert 0 <= at[c] <= mx[c]
+        # each rank holds half the model (+ padding of uneven dim-0 shards), Adam two moments
+        assert model_bytes / 2 <= at["sharded params"] <= model_bytes / 2 * 1.02
+        assert 1.9 <= at["optimizer state"] / at["sharded params"] <= 2.05
+        # the grouped unit (encoder/decoder embedding + output projection) is gathered whole
+        # in forward: its vocab x dim weight counts as gathered params there
+        assert r["max_by_phase"]["forward"]["gathered params"] >= TIED_BYTES
+        assert mx["comm buffers"] >= TIED_BYTES  # its all-gather and reduce-scatter buffers
+        assert mx["sharded grads"] >= at["sharded params"] * 0.98
+        assert mx["activations"] > 0 and mx["logits/loss"] > 0
+        assert 1 <= len(r["top_modules"]) <= 5
+        assert r["peak_phase"] in ("forward", "backward", "optimizer step", "other")
+
+
+def test_only_update_n_is_recorded_and_printed_as_one_table(runs):
+    for run in runs.values():
+        out = run["output"]
+        assert out.count("memory breakdown of update") == 1
+        assert f"memory breakdown of update {UPDATE} on cpu" in out
+        table = out.split("memory breakdown of update", 1)[1].splitlines()
+        assert table[1].split() == ["rank", "0", "rank", "1"]
+        assert [line.split("  ")[0] for line in table[4:4 + len(Category)]] == \
+            [c.value for c in Category]
+    assert not runs["buffer"]["json"].exists()  # --no-save: printed only
+
+
+def test_tied_grad_buffer_trains_the_same_with_less_memory(runs):
+    stock, buffer = (train_inner(runs[k]["output"]) for k in ("stock", "buffer"))
+    assert len(stock) == len(buffer) == 3
+    for key in ("loss", "gnorm"):
+        for a, b in zip(stock, buffer):
+            # fairseq prints 3 decimals: allow one step of the last digit (the gradients
+            # themselves agree to float rounding: test_tied_grad_buffer_gradients_equal_stock)
+            assert abs(float(a[key]) - float(b[key])) <= 1.01e-3, (a, b)
+    before = json.loads(runs["stock"]["json"].read_text())["ranks"]
+    after = printed_table(runs["buffer"]["output"])
+    grads = "grads before reduce-scatter"
+    for r, (_, grads_max), (peak, _) in zip(before, after[grads], after["peak (tracked)"]):
+        # stock: the uses' vocab x dim gradients coexist (3 of them); the buffer: one
+        assert r["max"][grads] >= 2.5 * TIED_BYTES
+        assert grads_max <= 1.3 * TIED_BYTES
+        # the rank's peak drops by about one of them: it moves to the reduce-scatter of the
+        # shared unit, where the buffer and FSDP2's reduce-scatter copy of it coexist
+        assert peak <= r["peak_bytes"] - 0.75 * TIED_BYTES
+
+
+def printed_table(output: str) -> dict[str, list[tuple[float, float]]]:
+    """The logged table: row name -> per rank (at the peak, max) in bytes."""
+    lines = output.split("memory breakdown of update", 1)[1].splitlines()
+    unit = 2 ** 20 if "(MiB;" in lines[0] else 2 ** 10
+    rows = {}
+    for line in lines[2:]:
+        if re.match(r"\d{4}-\d\d-\d\d ", line) or not line.strip():
+            break
+        name, *cells = re.split(r"\s{2,}", line.strip())
+        if name == "peak during" or not cells:
+            continue
+        values = []
+        for cell in cells:
+            at, _, mx = cell.replace(",", "").partition(" / ")
+            values.append((float(at) * unit, float(mx or at) * unit))
+        rows[name] = values
+    return rows
+
+
+def test_negative_update_is_rejected():
+    dt = FSDP2DistributedTrainingConfig()
+    dt.fsdp2_memory_breakdown = -1
+    with pytest.raises(OptionError, match="--fsdp2-memory-breakdown must be >= 0"):
+        validate(dt, min_params_to_wrap=1, fp16=False, bf16=False, world_size=1)
+
+
+class _Tied(nn.Module):
+    """Encoder/decoder lookups and an output projection sharing one weight (as NLLB)."""
+
+    def __init__(self, vocab: int = 50, dim: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim, padding_idx=1)
+        self.layer = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, src, tgt, chunked=False):
+        x = self.layer(self.embed(src)).mean(1, keepdim=True)
+        y = torch.tanh(self.embed(tgt) + x)
+        if chunked:  # as the chunked loss: projection recomputed in backward
+            return sum(checkpoint(lambda c: self.out(c).log_softmax(-1).sum(), c,
+                                  use_reentrant=False) for c in y.split(2, dim=1))
+        return self.out(y).log_softmax(-1).sum()
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_tied_grad_buffer_gradients_equal_stock(chunked):
+    torch.manual_seed(0)
+    stock = _Tied()
+    ours = copy.deepcopy(stock)
+    assert tied_grad.install(ours) == [["embed", "out"]]
+    assert ours.out.weight is ours.embed.weight
+    src, tgt = torch.randint(0, 50, (3, 7)), torch.randint(0, 50, (3, 5))
+    src[0, :2] = tgt[1, 3] = 1  # padding: its row gets no gradient from the lookups
+    for model in (stock, ours):
+        for _ in range(2):  # two micro-batches accumulate into .grad
+            model(src, tgt, chunked).backward()
+    for (name, a), b in zip(stock.named_parameters(), ours.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-5), name
+    with torch.no_grad():
+        assert torch.equal(stock(src, tgt), ours(src, tgt))

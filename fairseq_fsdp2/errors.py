@@ -1,8 +1,12 @@
-"""Errors the plugin reports as one line (``fairseq_fsdp2: error: ...``) and exit status 2."""
+"""Errors the plugin reports as one line (``fairseq_fsdp2: error: ...``), without a traceback
+unless FAIRSEQ_FSDP2_DEBUG=1: exit status 2 for bad input (stopped before any work), 1 for a
+failure during training (see TrainingStopped)."""
 
 
 class FSDP2Error(Exception):
-    """Base class: bad input the user can fix; no traceback unless FAIRSEQ_FSDP2_DEBUG=1."""
+    """Base class: something the user can fix."""
+
+    exit_status = 2
 
 
 class OptionError(FSDP2Error, ValueError):
@@ -11,3 +15,24 @@ class OptionError(FSDP2Error, ValueError):
 
 class CheckpointError(FSDP2Error):
     """A checkpoint that cannot be read, is incomplete, or does not fit the model."""
+
+
+class TrainingStopped(FSDP2Error):
+    """Training cannot go on: a rank was lost, memory ran out, a save failed. The other ranks
+    may be inside a collective, so the process leaves at once (``os._exit``); the work since the
+    last checkpoint is lost, and the same command resumes from it."""
+
+    exit_status = 1
+
+
+class RankLostError(TrainingStopped):
+    """Another rank died or stopped answering."""
+
+
+class SaveFailed(TrainingStopped):
+    """Writing a checkpoint failed (disk full, unwritable directory); the previous ones are
+    intact."""
+
+
+class OutOfMemory(TrainingStopped):
+    """A rank ran out of memory; the message carries every rank's last logged peak."""

@@ -16,13 +16,15 @@ import logging
 import os
 import socket
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from omegaconf import open_dict
 
+from . import liveness
 from .checkpoint.consolidate import consolidate_at_end
-from .errors import FSDP2Error, OptionError
+from .errors import FSDP2Error, OptionError, RankLostError, TrainingStopped
 from .options import FSDP2_BACKEND, LEGACY_FSDP_BACKEND, validate
 
 logger = logging.getLogger(__name__)
@@ -33,6 +35,7 @@ DEBUG_ENV = "FAIRSEQ_FSDP2_DEBUG"  # set to 1 for tracebacks instead of one-line
 
 def call_main(fairseq_call_main, cfg, main, **kwargs):
     """Stand-in for fairseq's call_main: prepares FSDP2 runs, leaves other backends alone."""
+    save_dir_existed = os.path.exists(cfg.checkpoint.save_dir)
     try:
         is_fsdp2 = prepare(cfg)
         fairseq_call_main(cfg, main, **kwargs)
@@ -41,8 +44,19 @@ def call_main(fairseq_call_main, cfg, main, **kwargs):
     except FSDP2Error as e:
         if os.environ.get(DEBUG_ENV):
             raise
+        if isinstance(e, TrainingStopped):
+            _stop_now(str(e), e.exit_status)
+        _remove_if_created_empty(cfg.checkpoint.save_dir, save_dir_existed)
         print(f"fairseq_fsdp2: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.exit(e.exit_status)
+    except Exception as e:
+        beat = liveness.current()
+        if os.environ.get(DEBUG_ENV) or beat is None or not liveness.looks_like_peer_loss(e):
+            raise
+        # A peer died or stopped answering: say which.
+        logger.error(f"collective failed: {str(e).splitlines()[0][:300]}")
+        _stop_now(liveness.describe_loss(
+            beat, None if cfg.checkpoint.no_save else cfg.checkpoint.save_dir), 1)
     if is_fsdp2 and dist.is_initialized():
         _exit_cleanly()
 
@@ -87,7 +101,30 @@ def prepare(cfg) -> bool:
                        (cfg.common.model_parallel_size > 1, "--model-parallel-size > 1")):
         if flag:
             raise OptionError(f"{name} cannot be combined with --ddp-backend fsdp2")
+    _init_with_timeout(cfg)
     return True
+
+
+def _init_with_timeout(cfg) -> None:
+    """With fairseq's ``--heartbeat-timeout N``, start the process group here with an N-second
+    timeout (fairseq's own init uses torch's 30 minutes, and a rank whose peer died before the
+    rendezvous would wait that long). fairseq then finds the group initialized and uses it."""
+    dt = cfg.distributed_training
+    if dt.heartbeat_timeout <= 0 or not dt.distributed_no_spawn or dist.is_initialized() \
+            or dt.distributed_init_method is None:
+        return
+    if dt.distributed_backend == "nccl":
+        torch.cuda.set_device(dt.device_id)
+    try:
+        dist.init_process_group(backend=dt.distributed_backend,
+                                init_method=dt.distributed_init_method,
+                                world_size=dt.distributed_world_size, rank=dt.distributed_rank,
+                                timeout=timedelta(seconds=dt.heartbeat_timeout))
+    except dist.DistError as e:
+        raise RankLostError(
+            f"rank {dt.distributed_rank} could not meet the other ranks at "
+            f"{dt.distributed_init_method} within --heartbeat-timeout {dt.heartbeat_timeout} s "
+            f"(a rank died or never started): {str(e).splitlines()[0][:200]}") from e
 
 
 def _after_training(cfg) -> None:
@@ -109,6 +146,25 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _stop_now(message: str, status: int) -> None:
+    """Report and leave at once: tearing down a process group whose other members are dead or
+    inside a collective can hang."""
+    print(f"fairseq_fsdp2: error: {message}", file=sys.stderr, flush=True)
+    logging.shutdown()
+    os._exit(status)
+
+
+def _remove_if_created_empty(save_dir: str, existed: bool) -> None:
+    """Bad input writes nothing: fairseq creates --save-dir early (to check it is writable);
+    remove it again if this run created it and it is still empty."""
+    if not existed and os.path.isdir(save_dir) and not os.listdir(save_dir):
+        try:
+            os.rmdir(save_dir)
+        except OSError:
+            pass  # another rank removed it first
+
 
 
 def _exit_cleanly() -> None:

@@ -11,6 +11,7 @@ import os
 import sys
 
 import fairseq.distributed.utils as fairseq_distributed_utils
+import fairseq.file_io
 import fairseq.options
 import fairseq_cli.train
 from fairseq.dataclass import configs as fairseq_configs
@@ -59,6 +60,22 @@ def install() -> None:
     # 4. Loading: fairseq calls torch.load with torch's default weights_only=True, which refuses
     #    the argparse.Namespace fairseq pickles. Allow-list it (never switch the safety off).
     allow_fairseq_checkpoint_classes()
+
+    # 5. Saving: fairseq writes a checkpoint atomically (temp file, then rename) but then copies
+    #    it over checkpoint_last.pt / checkpoint_best.pt in place, so a kill during the copy
+    #    leaves a truncated file where the previous good one was. Copy to a temp name and rename.
+    fairseq.file_io.PathManager.copy = staticmethod(
+        functools.partial(_atomic_copy, fairseq.file_io.PathManager.copy))
+
+
+def _atomic_copy(copy, src_path: str, dst_path: str, overwrite: bool = False) -> bool:
+    if "://" in dst_path:  # a remote store (iopath handler): leave it to the handler
+        return copy(src_path, dst_path, overwrite=overwrite)
+    tmp = f"{dst_path}.tmp"
+    if not copy(src_path, tmp, overwrite=True):
+        return False
+    os.replace(tmp, dst_path)
+    return True
 
 
 def install_hydra_add_defaults(add_defaults) -> None:

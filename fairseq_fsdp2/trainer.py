@@ -12,21 +12,24 @@ from itertools import chain
 
 import torch
 import torch.distributed as dist
+from fairseq.distributed import utils as distributed_utils
 from fairseq.logging import metrics
 from fairseq.optim import lr_scheduler
 from fairseq.trainer import Trainer
 from omegaconf import open_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from . import precision
+from . import liveness, precision, tied_grad
 from .apply import apply_plan, build_mesh
 from .checkpoint import sharded
 from .checkpoint.safe_load import read_checkpoint_file
 from .checkpoint.full_state import broadcast_full_model, install_optimizer_hooks
-from .errors import CheckpointError
+from .errors import CheckpointError, OutOfMemory, SaveFailed
 from .memory import MemoryMonitor
-from .memory.monitor import current_gb
+from .memory.monitor import current_gb, describe_last
+from .memory.breakdown import record_update
 from .plan import ShardingPlan, build_plan
 
 logger = logging.getLogger(__name__)
@@ -55,6 +58,8 @@ class FSDP2Trainer(Trainer):
             None if cfg.checkpoint.no_save else os.path.join(cfg.checkpoint.save_dir,
                                                              "memory.jsonl"),
             rank=self.data_parallel_rank)
+        # names a lost rank if a collective fails (launch.py reports it)
+        self._heartbeat = liveness.start(self.data_parallel_rank, self.data_parallel_world_size)
 
     # -- wrapping ------------------------------------------------------------------------------
     @property
@@ -69,6 +74,8 @@ class FSDP2Trainer(Trainer):
 
     def _shard(self, model):
         dt = self.cfg.distributed_training
+        if dt.fsdp2_tied_grad_buffer:  # before sharding: it changes the tied modules' classes
+            tied_grad.install(model)
         world = dist.get_world_size() if dist.is_initialized() else 1
         plan = build_plan(
             model, world_size=world,
@@ -83,6 +90,10 @@ class FSDP2Trainer(Trainer):
                 logger.warning(warning)
         self.sharding_plan = plan
         mesh = build_mesh(self.device.type, world, dt.fsdp2_replicate_degree)
+        if dt.heartbeat_timeout > 0:
+            # fairseq's --heartbeat-timeout: no collective waits longer than this for a peer
+            liveness.set_collective_timeout(dt.heartbeat_timeout, [
+                dist.group.WORLD, distributed_utils.get_global_group(), *mesh.get_all_groups()])
         dtype = precision.compute_dtype(self.cfg.common)
         precision.cast_float_buffers(model, dtype)
         apply_plan(model, plan, mesh, mp_policy=precision.mixed_precision_policy(self.cfg.common),
@@ -117,9 +128,21 @@ class FSDP2Trainer(Trainer):
     # -- the step ------------------------------------------------------------------------------
     def train_step(self, samples, raise_oom=False):
         self._overflowed = False
+        if self._heartbeat is not None:
+            self._heartbeat.num_updates = self.get_num_updates()
         try:
-            logging_output = super().train_step(samples, raise_oom)
+            with record_update(self):  # --fsdp2-memory-breakdown N: update N only
+                # raise_oom: fairseq would skip the batch and go on, but the other ranks are
+                # inside this step's collectives: stop (with the figures to act on) instead.
+                logging_output = super().train_step(samples, raise_oom=True)
         except Exception as e:
+            if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e):
+                update = self.get_num_updates() + 1
+                raise OutOfMemory(
+                    f"out of memory on rank {self.data_parallel_rank} at update {update}: "
+                    f"{str(e).splitlines()[0][:200]}; {describe_last(self._memory)}. See where "
+                    f"it goes with --fsdp2-memory-breakdown {update} (and a smaller "
+                    f"--max-tokens to get there)") from e
             # NaN/Inf gradients or the loss-scale floor stop every rank: say where. (fairseq
             # then re-runs the step under its NanDetector, whose hooks fail on current torch;
             # report the FloatingPointError, not that.)
@@ -170,9 +193,26 @@ class FSDP2Trainer(Trainer):
             os.makedirs(save_dir, exist_ok=True)
             sharded.remove_unreferenced(save_dir)
         keep_optimizer = not self.cfg.checkpoint.no_save_optimizer_state
-        self._shards = sharded.save(self.model,
-                                    self.optimizer.optimizer if keep_optimizer else None,
-                                    save_dir, self.get_num_updates())
+        with self._save_errors_reported():
+            self._shards = sharded.save(self.model,
+                                        self.optimizer.optimizer if keep_optimizer else None,
+                                        save_dir, self.get_num_updates())
+
+    def save_checkpoint(self, filename, extra_state):
+        with self._save_errors_reported():
+            super().save_checkpoint(filename, extra_state)
+
+    @contextlib.contextmanager
+    def _save_errors_reported(self):
+        """A failed write (disk full, unwritable directory) stops training with one line;
+        shards and files are written under temporary names, so earlier checkpoints are intact."""
+        try:
+            yield
+        except (OSError, CheckpointException) as e:
+            raise SaveFailed(
+                f"saving the checkpoint of update {self.get_num_updates()} to "
+                f"{self.cfg.checkpoint.save_dir} failed on rank {self.data_parallel_rank}: "
+                f"{_first_line(e)}; the previous checkpoints are intact") from e
 
     def state_dict(self):
         if self._shards is None:
@@ -265,6 +305,16 @@ class FSDP2Trainer(Trainer):
         sharded.load_optimizer(self.model, optimizer, sharded.resolve(
             self._loading_from, state_dict[sharded.SHARDED]))
         return optimizer.state_dict()
+
+
+def _first_line(error: BaseException) -> str:
+    """The first line of an error's text; for DCP's CheckpointException, which wraps each
+    rank's failure, that of the first failing rank's."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (cause, _) = min(error.failures.items())
+        return f"{_first_line(cause)} (rank {rank}'s write)"
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
 
 
 def _in_context(error: BaseException, kind: type):

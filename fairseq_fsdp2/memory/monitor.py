@@ -77,6 +77,8 @@ class MemoryMonitor:
         self.jsonl_path = jsonl_path
         self.rank = rank
         self.group = group
+        #: (update, every rank's figures) of the last log: what an out-of-memory report quotes
+        self.last: Optional[tuple[int, list[dict]]] = None
         reset_peak(device)
 
     def reset(self) -> None:
@@ -99,6 +101,7 @@ class MemoryMonitor:
     def log(self, num_updates: int) -> list[dict]:
         per_rank = self.gather()
         reset_peak(self.device)
+        self.last = (num_updates, per_rank)
         peaks = [r["peak_gb"] for r in per_rank]
         top = max(range(len(peaks)), key=peaks.__getitem__)
         metrics.log_scalar("mem_peak_gb_max", peaks[top], weight=0, priority=1500, round=3)
@@ -116,3 +119,12 @@ class MemoryMonitor:
             with open(self.jsonl_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         return per_rank
+
+
+def describe_last(monitor: MemoryMonitor) -> str:
+    """Every rank's last logged peak, for an error message."""
+    if monitor.last is None:
+        return "no per-rank peak logged yet"
+    update, per_rank = monitor.last
+    return f"per-rank peak GB at update {update}: " + ", ".join(
+        f"rank {i} {r['peak_gb']:.3f}" for i, r in enumerate(per_rank))

@@ -1,0 +1,144 @@
+"""Faults survived: real rank processes, real signals (tests/probes/fault_point.py injects them).
+
+A lost rank is named by the survivors, which exit non-zero within the configured timeout; the
+same command then resumes from the newest intact checkpoint and reproduces the uninterrupted
+run's losses; a failed save, a NaN loss and an out-of-memory error each stop with one clear line.
+"""
+import os
+import random
+import re
+import time
+
+import pytest
+
+from conftest import REPO
+from launcher import finish_ranks, start_ranks, train_inner
+
+PROBES = str(REPO / "tests" / "probes")
+UPDATES = 16
+SAVE_EVERY = 3
+TIMEOUT_S = 20  # --heartbeat-timeout: no collective waits longer for a peer
+FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1",
+         "--save-interval-updates", SAVE_EVERY, "--heartbeat-timeout", TIMEOUT_S,
+         "--num-workers", "0", "--no-epoch-checkpoints"]
+
+
+def fault_points(seed: int, n: int = 10) -> list[tuple[str, int, str]]:
+    """n kill points at increasing updates: (phase, update, which rank or 'all')."""
+    rng = random.Random(seed)
+    points = []
+    for update in sorted(rng.sample(range(2, UPDATES + 1), n)):
+        saves = update % SAVE_EVERY == 0  # a save follows this update: it can die inside it
+        phase = rng.choice(["forward", "backward", "step"] + (["shards", "copy"] if saves else []))
+        who = rng.choice(["0", "all"] if phase == "copy" else ["0", "1", "all"])
+        points.append((phase, update, who))
+    return points
+
+
+def run(train_args, save_dir, fault=None, tmp_path=None, updates=UPDATES, timeout=120):
+    env = {"PYTHONPATH": PROBES}
+    if fault:
+        env["FAULT"] = fault
+        env["FAULT_DIR"] = str(tmp_path / f"pids-{fault.replace(':', '-')}")
+        os.mkdir(env["FAULT_DIR"])
+    args = train_args(*FSDP2, "--save-dir", save_dir, save=True, updates=updates)
+    started = time.monotonic()
+    procs = start_ranks(2, lambda r: args, module="fault_point" if fault else "fairseq_cli.train",
+                        env=env)
+    return finish_ranks(procs, timeout), time.monotonic() - started
+
+
+def losses(output: str) -> dict[int, tuple[str, str]]:
+    return {int(r["num_updates"]): (r["loss"], r["gnorm"]) for r in train_inner(output)}
+
+
+def resumed_at(output: str) -> int:
+    found = re.search(r"Loaded checkpoint .* \(epoch \d+ @ (\d+) updates\)", output)
+    return int(found.group(1)) if found else 0
+
+
+def test_killed_ranks_are_named_and_restarts_reproduce_the_uninterrupted_run(train_args,
+                                                                              tmp_path):
+    """10 seeded kill points (one rank or all; in forward, backward, the optimizer step, and
+    inside saves), each followed by a restart with the same command."""
+    reference, _ = run(train_args, tmp_path / "reference")
+    assert all(r.returncode == 0 for r in reference), reference[0].output[-3000:]
+    expected = losses(reference[0].output)
+    assert sorted(expected) == list(range(1, UPDATES + 1))
+
+    save_dir = tmp_path / "faulty"
+    points = fault_points(seed=2026)
+    assert {p for p, _, _ in points} >= {"forward", "backward", "step", "shards"}
+    assert {w for _, _, w in points} >= {"0", "1", "all"}
+    resume = 0
+    for phase, update, who in points + [(None, None, None)]:
+        fault = f"{phase}:{update}:{who}" if phase else None
+        results, seconds = run(train_args, save_dir, fault, tmp_path)
+        where = f"run with FAULT={fault}"
+        out = results[0].output if who != "0" else results[1].output
+        assert resumed_at(results[0].output) == resume, f"{where}:\n{results[0].output[-3000:]}"
+        # every update this run made equals the uninterrupted run's
+        made = losses(results[0].output) if who != "0" else losses(results[1].output)
+        for n, value in made.items():
+            assert value == expected[n], f"{where}: update {n}: {value} != {expected[n]}"
+        if fault is None:
+            assert all(r.returncode == 0 for r in results), out[-3000:]
+            assert max(made) == UPDATES
+            break
+        assert all(r.returncode != 0 for r in results), where
+        if who != "all":
+            survivor = results[1 - int(who)]
+            lines = [l for l in survivor.output.splitlines() if l.startswith("fairseq_fsdp2: error:")]
+            assert len(lines) == 1 and f"lost rank {who}" in lines[0], \
+                f"{where}:\n{survivor.output[-3000:]}"
+        assert seconds < 90, where  # no hang
+        resume = (update - 1) // SAVE_EVERY * SAVE_EVERY  # the newest save that completed
+
+
+def test_a_hung_rank_is_named_after_the_heartbeat_timeout(train_args, tmp_path):
+    """A rank that stops answering (SIGSTOP) without dying: the other gives up after
+    --heartbeat-timeout and names it."""
+    env = {"PYTHONPATH": PROBES, "FAULT": "hang:3:1"}
+    args = train_args("--ddp-backend", "fsdp2", "--heartbeat-timeout", 5, "--num-workers", "0")
+    procs = start_ranks(2, lambda r: args, module="fault_point", env=env)
+    try:
+        survivor = finish_ranks(procs[:1], timeout=90)[0]
+    finally:
+        procs[1].kill()
+    assert survivor.returncode == 1, survivor.output[-3000:]
+    assert "Timed out waiting 5000ms" in survivor.output
+    lines = [l for l in survivor.output.splitlines() if l.startswith("fairseq_fsdp2: error:")]
+    assert len(lines) == 1 and "lost rank 1 (rank 0 noticed at update 3)" in lines[0], lines
+
+
+def test_disk_full_during_a_save_keeps_the_previous_checkpoint(train_args, tmp_path):
+    save_dir = tmp_path / "ckpt"
+    results, _ = run(train_args, save_dir, "disk-full:4:all", tmp_path, updates=7)
+    for r in results:
+        assert r.returncode == 1, r.output[-3000:]
+        lines = [l for l in r.output.splitlines() if l.startswith("fairseq_fsdp2: error:")]
+        assert len(lines) == 1, r.output[-3000:]
+        assert re.match(rf"fairseq_fsdp2: error: saving the checkpoint of update 6 to "
+                        rf"{save_dir} failed on rank {r.rank}: .*File too large.*; the previous "
+                        rf"checkpoints are intact", lines[0]), lines[0]
+    # the same command, with room on the disk again, resumes from update 3 and finishes
+    results, _ = run(train_args, save_dir, updates=7)
+    assert all(r.returncode == 0 for r in results), results[0].output[-3000:]
+    assert resumed_at(results[0].output) == 3
+
+
+@pytest.mark.parametrize("fault, expected", [
+    ("nan:3:1", [r"FloatingPointError: .*\(at update 3, rank 0\)",
+                 r"FloatingPointError: .*\(at update 3, rank 1\)"]),
+    ("oom:3:1", [r"fairseq_fsdp2: error: lost rank 1 \(rank 0 noticed at update 3\)",
+                 r"fairseq_fsdp2: error: out of memory on rank 1 at update 3: CUDA out of "
+                 r"memory\. Tried to allocate 20\.00 GiB \(simulated by the test\); per-rank peak "
+                 r"GB at update 2: rank 0 \d\.\d{3}, rank 1 \d\.\d{3}\. See where it goes with "
+                 r"--fsdp2-memory-breakdown 3"]),
+])
+def test_nan_loss_and_out_of_memory_stop_naming_update_and_rank(train_args, tmp_path, fault,
+                                                               expected):
+    results, _ = run(train_args, tmp_path / "ckpt", fault, tmp_path, updates=5)
+    for r, pattern in zip(results, expected):
+        assert r.returncode != 0
+        assert re.search(pattern, r.output), f"rank {r.rank}:\n{r.output[-3000:]}"

@@ -28,6 +28,7 @@ an error with one line (stock fairseq ignores a misspelt model key).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import warnings
 from enum import Enum
@@ -39,7 +40,7 @@ from fairseq.dataclass.initialize import add_defaults as fairseq_add_defaults
 from fairseq.dataclass.utils import omegaconf_no_object_check
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-PROG = "fairseq_fsdp2.hydra_train"
+PROG = "fairseq_fsdp2"  # errors read "fairseq_fsdp2: error: ...", as from fairseq-train
 LEGACY_GROUPS = ("task", "model")
 
 # fairseq's hydra setup (schema stored under the config's name, cwd handling) predates
@@ -199,10 +200,32 @@ def _add_defaults_or_exit(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
+def check_fixed_group_overrides(overrides: list[str]) -> None:
+    """A ``group.key=value`` override of a group with a fixed schema (common, checkpoint,
+    distributed_training, ...) whose key does not exist. Hydra refuses it too, but with a
+    seven-line message and exit status 1; say it in one line, before hydra starts."""
+    schema = {f.name: f.type for f in dataclasses.fields(FairseqConfig)}
+    for override in overrides:
+        key = override.split("=", 1)[0]
+        if override.startswith(("+", "~", "-")) or "=" not in override or "." not in key:
+            continue
+        group, name = key.split(".", 1)
+        node = schema.get(group)
+        if dataclasses.is_dataclass(node) and name.split(".")[0] not in {
+                f.name for f in dataclasses.fields(node)}:
+            raise HydraConfigError(f"{key} is not an option of {group} (the keys are the "
+                                   f"command-line flags with '_'; misspelt?)")
+
+
 def cli_main() -> None:
     from fairseq_cli import hydra_train
 
     from .registration import install_hydra_add_defaults
+    try:
+        check_fixed_group_overrides(sys.argv[1:])
+    except HydraConfigError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     install_hydra_add_defaults(_add_defaults_or_exit)
     hydra_train.cli_main()
 

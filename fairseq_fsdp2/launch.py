@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import open_dict
 
-from . import liveness
+from . import liveness, preflight
 from .checkpoint.consolidate import consolidate_at_end
 from .errors import FSDP2Error, OptionError, RankLostError, TrainingStopped
 from .options import FSDP2_BACKEND, LEGACY_FSDP_BACKEND, validate
@@ -36,6 +36,7 @@ DEBUG_ENV = "FAIRSEQ_FSDP2_DEBUG"  # set to 1 for tracebacks instead of one-line
 def call_main(fairseq_call_main, cfg, main, **kwargs):
     """Stand-in for fairseq's call_main: prepares FSDP2 runs, leaves other backends alone."""
     save_dir_existed = os.path.exists(cfg.checkpoint.save_dir)
+    is_fsdp2 = False
     try:
         is_fsdp2 = prepare(cfg)
         fairseq_call_main(cfg, main, **kwargs)
@@ -44,21 +45,47 @@ def call_main(fairseq_call_main, cfg, main, **kwargs):
     except FSDP2Error as e:
         if os.environ.get(DEBUG_ENV):
             raise
-        if isinstance(e, TrainingStopped):
-            _stop_now(str(e), e.exit_status)
-        _remove_if_created_empty(cfg.checkpoint.save_dir, save_dir_existed)
-        print(f"fairseq_fsdp2: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(e.exit_status)
+        if not isinstance(e, TrainingStopped):
+            _remove_if_created_empty(cfg.checkpoint.save_dir, save_dir_existed)
+        _stop(str(e), e.exit_status)
     except Exception as e:
+        if os.environ.get(DEBUG_ENV) or not is_fsdp2:
+            raise
+        missing_data = preflight.data_error(e, getattr(cfg.task, "data", None))
+        if missing_data:
+            _remove_if_created_empty(cfg.checkpoint.save_dir, save_dir_existed)
+            _stop(missing_data, 2)
         beat = liveness.current()
-        if os.environ.get(DEBUG_ENV) or beat is None or not liveness.looks_like_peer_loss(e):
+        if beat is None or not liveness.looks_like_peer_loss(e):
             raise
         # A peer died or stopped answering: say which.
         logger.error(f"collective failed: {str(e).splitlines()[0][:300]}")
-        _stop_now(liveness.describe_loss(
+        _stop(liveness.describe_loss(
             beat, None if cfg.checkpoint.no_save else cfg.checkpoint.save_dir), 1)
     if is_fsdp2 and dist.is_initialized():
         _exit_cleanly()
+
+
+def parse_args_and_arch(fairseq_parse, parser, input_args=None, *args, **kwargs):
+    """Stand-in for fairseq's options.parse_args_and_arch: the same, except that for FSDP2
+    runs fairseq's misleading parse-time errors become one clear line."""
+    try:
+        return fairseq_parse(parser, input_args, *args, **kwargs)
+    except ValueError as e:
+        argv = sys.argv[1:] if input_args is None else list(input_args)
+        if "Cannot combine --fp16 and --tpu" not in str(e) or not _asks_for_fsdp2(argv) \
+                or os.environ.get(DEBUG_ENV):
+            raise
+        _stop("--fp16 and --bf16 are mutually exclusive: choose one" if any(
+            a in argv for a in ("--bf16", "--memory-efficient-bf16"))
+            else "--tpu cannot be combined with --ddp-backend fsdp2", 2)
+
+
+def _asks_for_fsdp2(argv: list[str]) -> bool:
+    pairs = zip(argv, argv[1:] + [""])
+    return any(a == "--ddp-backend" and b in (FSDP2_BACKEND, LEGACY_FSDP_BACKEND) or
+               a in (f"--ddp-backend={FSDP2_BACKEND}", f"--ddp-backend={LEGACY_FSDP_BACKEND}")
+               for a, b in pairs)
 
 
 def prepare(cfg) -> bool:
@@ -93,6 +120,8 @@ def prepare(cfg) -> bool:
         on_cuda = torch.cuda.is_available() and not cfg.common.cpu
         if not on_cuda and dt.distributed_backend == "nccl":
             dt.distributed_backend = "gloo"
+    preflight.check_launch(cfg, launched_per_rank=dt.distributed_no_spawn or _under_slurm(),
+                           on_cuda=on_cuda)
     validate(dt, min_params_to_wrap=getattr(cfg.model, "min_params_to_wrap", 0),
              fp16=cfg.common.fp16, bf16=cfg.common.bf16,
              world_size=dt.distributed_world_size)
@@ -148,10 +177,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stop_now(message: str, status: int) -> None:
-    """Report and leave at once: tearing down a process group whose other members are dead or
-    inside a collective can hang."""
+def _stop(message: str, status: int) -> None:
+    """Report one line and exit. Once a process group exists, leave at once: tearing it down
+    while other members are dead or inside a collective can hang (or abort, with gloo)."""
     print(f"fairseq_fsdp2: error: {message}", file=sys.stderr, flush=True)
+    if not dist.is_initialized():
+        sys.exit(status)
     logging.shutdown()
     os._exit(status)
 

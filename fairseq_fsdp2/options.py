@@ -103,16 +103,16 @@ def validate(dt: FSDP2DistributedTrainingConfig, *, min_params_to_wrap: int, fp1
     degree = dt.fsdp2_reshard_degree
     if degree < 0:
         raise OptionError(f"--fsdp2-reshard-degree must be >= 0, got {degree}")
+    if degree > 0 and dt.no_reshard_after_forward:
+        raise OptionError("--fsdp2-reshard-degree and --no-reshard-after-forward conflict: "
+                          "choose one")
     if degree > 0 and (shard_size % degree != 0 or degree in (1, shard_size)):
         # FSDP2 takes only a non-trivial divisor: 1 would be --no-reshard-after-forward and
         # the shard group size is the default.
         raise OptionError(f"--fsdp2-reshard-degree {degree} must divide the shard group size "
                           f"{shard_size} (world size {world_size} / replicate degree "
                           f"{replicate}) and be neither 1 nor {shard_size}")
-    breakdown = getattr(dt, "fsdp2_memory_breakdown", 0)
+    breakdown = dt.fsdp2_memory_breakdown
     if breakdown < 0:
         raise OptionError(f"--fsdp2-memory-breakdown must be >= 0 (an update number; 0: off), "
                           f"got {breakdown}")
-    if degree > 0 and dt.no_reshard_after_forward:
-        raise OptionError("--fsdp2-reshard-degree and --no-reshard-after-forward conflict: "
-                          "choose one")

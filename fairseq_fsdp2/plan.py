@@ -146,13 +146,14 @@ def build_plan(model: nn.Module, *, world_size: int, min_params_to_wrap: int,
     layers = [(p, m) for p, m in candidates if count_params([m]) >= threshold]
 
     groups = tied_groups(model)
+    def unit_of(path: str) -> Optional[str]:
+        return next((lp for lp, _ in layers if path == lp or path.startswith(lp + ".")), None)
     for g in groups:
-        inside = [p for p in g if any(p == lp or p.startswith(lp + ".") for lp, _ in layers)]
-        if inside and len(inside) < len(g):
+        # a tie must stay inside one unit: one layer, or outside every layer (grouped below)
+        if len({unit_of(p) for p in g}) > 1:
             raise PlanError(f"parameter tie between {', '.join(g)} crosses a layer unit; "
                             "these modules cannot be grouped into one FSDP2 unit")
-    groups = [g for g in groups if not any(p.startswith(lp + ".") or p == lp
-                                           for p in g for lp, _ in layers)]
+    groups = [g for g in groups if unit_of(g[0]) is None]
 
     units: list[Unit] = []
     managed: set[int] = set()

@@ -61,7 +61,12 @@ def install() -> None:
     #    the argparse.Namespace fairseq pickles. Allow-list it (never switch the safety off).
     allow_fairseq_checkpoint_classes()
 
-    # 5. Saving: fairseq writes a checkpoint atomically (temp file, then rename) but then copies
+    # 5. Parsing: fairseq turns --bf16 into --tpu, so `--fp16 --bf16` fails with "Cannot
+    #    combine --fp16 and --tpu" and a traceback; FSDP2 runs get the real reason in one line.
+    fairseq.options.parse_args_and_arch = functools.wraps(fairseq.options.parse_args_and_arch)(
+        functools.partial(launch.parse_args_and_arch, fairseq.options.parse_args_and_arch))
+
+    # 6. Saving: fairseq writes a checkpoint atomically (temp file, then rename) but then copies
     #    it over checkpoint_last.pt / checkpoint_best.pt in place, so a kill during the copy
     #    leaves a truncated file where the previous good one was. Copy to a temp name and rename.
     fairseq.file_io.PathManager.copy = staticmethod(

@@ -144,17 +144,19 @@ def fork_server() -> ForkServer:
 
 def start_ranks(nproc: int, args: Callable[[int], Sequence[str]], *,
                 module: str = "fairseq_cli.train", env: Optional[dict] = None,
-                fresh_interpreter: bool = False) -> list:
-    """Start ``python -m module args(rank)`` on nproc ranks (torchrun's environment): forked
-    from the pre-imported server, or as fresh interpreters."""
+                fresh_interpreter: bool = False, torchrun_env: bool = True) -> list:
+    """Start ``python -m module args(rank)`` on nproc ranks (torchrun's environment, unless
+    torchrun_env is False: plain processes): forked from the pre-imported server, or as fresh
+    interpreters."""
     port = free_port()
     logs = tempfile.mkdtemp(prefix="ranks-")
     procs = []
     for rank in range(nproc):
         e = base_env(env)
-        e.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                  "WORLD_SIZE": str(nproc), "RANK": str(rank), "LOCAL_RANK": str(rank),
-                  "LOCAL_WORLD_SIZE": str(nproc)})
+        if torchrun_env:
+            e.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                      "WORLD_SIZE": str(nproc), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                      "LOCAL_WORLD_SIZE": str(nproc)})
         argv, out = [str(a) for a in args(rank)], os.path.join(logs, f"rank{rank}.log")
         procs.append(Spawned(module, argv, e, out) if fresh_interpreter
                      else fork_server().start(module, argv, e, out))
@@ -180,10 +182,11 @@ def finish_ranks(procs: list, timeout: float = 240) -> list[RankResult]:
 
 def run_ranks(nproc: int, args: Callable[[int], Sequence[str]], *, timeout: float = 240,
               module: str = "fairseq_cli.train", env: Optional[dict] = None,
-              fresh_interpreter: bool = False) -> list[RankResult]:
+              fresh_interpreter: bool = False, torchrun_env: bool = True) -> list[RankResult]:
     """Run ``python -m module args(rank)`` on nproc ranks; kill all of them after timeout."""
     return finish_ranks(start_ranks(nproc, args, module=module, env=env,
-                                    fresh_interpreter=fresh_interpreter), timeout)
+                                    fresh_interpreter=fresh_interpreter,
+                                    torchrun_env=torchrun_env), timeout)
 
 
 def train_inner(output: str) -> list[dict]:

@@ -87,6 +87,11 @@ class _TiedAcrossLayer(nn.Module):
 
 
 def test_tie_crossing_a_layer_unit_is_refused():
+    between_layers = nn.Module()
+    between_layers.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+    between_layers.layers[1].weight = between_layers.layers[0].weight
+    with pytest.raises(PlanError, match="layers.0, layers.1 crosses a layer unit"):
+        build_plan(between_layers, world_size=2, min_params_to_wrap=1)
     m = _TiedAcrossLayer()
     assert tied_groups(m) == [["embed", "layers.0"]]
     with pytest.raises(PlanError, match="crosses a layer unit"):

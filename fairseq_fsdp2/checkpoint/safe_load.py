@@ -78,6 +78,9 @@ def read_checkpoint_file(path: str, mmap: bool = True) -> dict:
                 "among the classes fairseq checkpoints hold; refused for safety (if you trust "
                 f"the file, list it in {TRUSTED_ENV})") from e
         reason = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+        unpickler = re.search(r"WeightsUnpickler error:\s*(.*)", text)
+        if unpickler:  # torch's long "Weights only load failed" preamble: keep the cause
+            reason = f"not a PyTorch checkpoint ({unpickler.group(1).strip()})"
         raise CheckpointError(f"cannot read checkpoint {path}: {reason[:200]}") from e
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{path} is not a fairseq checkpoint (no 'model' entry)")

@@ -1,0 +1,51 @@
+"""Bad input caught before work starts, or recognised when fairseq trips over it.
+
+``check_launch`` runs before the process group exists: a world size that the processes on
+hand cannot form, a --save-dir that cannot be created. ``data_error`` turns fairseq's own errors
+for a data directory without the files asked for (raised while the task loads, on every rank
+alike) into one line.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from .errors import OptionError
+
+
+def check_launch(cfg, *, launched_per_rank: bool, on_cuda: bool) -> None:
+    """Raise OptionError for a run that cannot start as asked."""
+    world = cfg.distributed_training.distributed_world_size
+    if world > 1 and not launched_per_rank:
+        devices = torch.cuda.device_count() if on_cuda else 0
+        if world > devices:
+            where = f"{devices} GPU(s) here" if on_cuda else "CPU (--cpu or no GPU)"
+            raise OptionError(
+                f"--distributed-world-size {world} needs one process per rank and there is "
+                f"{where}: start the ranks with torchrun --nproc_per_node {world} (or SLURM) "
+                f"and leave out the distributed flags")
+    save_dir = cfg.checkpoint.save_dir
+    if not cfg.checkpoint.no_save:
+        existing = os.path.abspath(save_dir)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
+            raise OptionError(f"--save-dir {save_dir} cannot be written: {existing} is not a "
+                              f"writable directory")
+
+
+def data_error(error: BaseException, data: Optional[str]) -> Optional[str]:
+    """One line for fairseq's missing-data errors, or None if ``error`` is something else."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    hint = "check DATA and --source-lang/--target-lang (or --lang-pairs)"
+    if isinstance(error, FileNotFoundError):
+        missing = error.filename or (text.startswith("Dataset not found") and text)
+        inside = data and error.filename and os.path.abspath(error.filename).startswith(
+            tuple(os.path.abspath(d) for d in data.split(os.pathsep)))
+        if inside or (missing and not error.filename):
+            return f"data not found: {missing}; {hint}"
+    if "Could not infer language pair" in text:
+        return f"data in {data} holds no language pair fairseq can infer: {hint}"
+    return None

@@ -1,0 +1,157 @@
+"""The bad input catalogue: every row of the README's "Errors" table, run for real.
+
+Each case stops before training with exactly one ``fairseq_fsdp2: error: ...`` line holding the
+documented text, no traceback, a non-zero exit, and nothing written: the --save-dir it names
+does not appear, the files it reads are unchanged.
+"""
+import datetime
+import re
+
+import pytest
+import torch
+
+import fairseq_fsdp2  # noqa: F401  (allow-lists the classes fairseq pickles for torch.load)
+
+from conftest import PLUGIN, REPO, TINY_MODEL, TRAINING
+from launcher import run_ranks
+
+FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", "--num-workers", "0"]
+PROBES = str(REPO / "tests" / "probes")
+HYDRA = "fairseq_fsdp2.hydra_train"
+
+
+def readme_rows() -> list[str]:
+    """The first column of the README's Errors table."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("\n## Errors\n", 1)[1]
+    table = section[section.index("\n| "):].split("\n\n", 1)[0]  # the first table
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    return [line.split(" | ")[0][2:].strip() for line in rows[1:]]  # skip the header
+
+
+@pytest.fixture(scope="module")
+def files(corpus, tmp_path_factory):
+    """Inputs the cases read: a real sharded checkpoint (1 rank, 2 updates) and broken files."""
+    root = tmp_path_factory.mktemp("inputs")
+    save = root / "saved"
+    results = run_ranks(1, lambda r: [corpus, "--user-dir", PLUGIN, *TINY_MODEL, *TRAINING,
+                                      *FSDP2, "--max-update", "2", "--save-dir", save])
+    assert results[0].returncode == 0, results[0].output[-3000:]
+    good = save / "checkpoint_last.pt"
+    shards = save / torch.load(good, weights_only=True)["fsdp2"]["shards"]
+    missing_shard = root / "missing-shard"
+    missing_shard.mkdir()
+    (missing_shard / "checkpoint_last.pt").write_bytes(good.read_bytes())
+    (missing_shard / "fsdp2_shards").mkdir()
+    (missing_shard / shards.relative_to(save)).mkdir()
+    (missing_shard / shards.relative_to(save) / ".metadata").write_bytes(
+        (shards / ".metadata").read_bytes())
+    text = root / "notes.pt"
+    text.write_text("not a checkpoint\n")
+    truncated = root / "truncated.pt"
+    torch.save({"model": {"w": torch.zeros(1000)}}, truncated)
+    truncated.write_bytes(truncated.read_bytes()[:600])
+    stranger = root / "stranger.pt"
+    torch.save({"model": {}, "when": datetime.date(2026, 11, 30)}, stranger)
+    plain_file = root / "plain-file"
+    plain_file.write_text("")
+    return {"good": good, "missing_shard": missing_shard / "checkpoint_last.pt",
+            "shard_dir": missing_shard / shards.relative_to(save), "text": text,
+            "truncated": truncated, "stranger": stranger, "absent": root / "absent.pt",
+            "plain_file": plain_file, "corpus": corpus}
+
+
+# README row -> cases: (ranks (0: one process, not under torchrun), extra flags (may name
+# files), message[, module])
+CATALOGUE = {
+    "`--min-params-to-wrap -5`": [
+        (1, ["--min-params-to-wrap", "-5"], "--min-params-to-wrap must be >= 0, got -5")],
+    "`--fsdp2-replicate-degree 3` on 2 ranks": [
+        (2, ["--fsdp2-replicate-degree", "3"],
+         "--fsdp2-replicate-degree 3 does not divide the world size 2")],
+    "`--fsdp2-reshard-degree 3` on 2 ranks": [
+        (2, ["--fsdp2-reshard-degree", "3"], "--fsdp2-reshard-degree 3 must divide the shard "
+                                             "group size 2 (world size 2 / replicate degree 1) "
+                                             "and be neither 1 nor 2")],
+    "`--fsdp2-reshard-degree` with `--no-reshard-after-forward`": [
+        (1, ["--fsdp2-reshard-degree", "2", "--no-reshard-after-forward"],
+         "--fsdp2-reshard-degree and --no-reshard-after-forward conflict: choose one")],
+    "`--fp16` with `--bf16`": [
+        (1, ["--fp16", "--bf16"], "--fp16 and --bf16 are mutually exclusive: choose one")],
+    "`--tpu`, `--use-bmuf`, `--zero-sharding os`, `--model-parallel-size 2` with fsdp2": [
+        (1, [flag, *value], f"{name} cannot be combined with --ddp-backend fsdp2")
+        for flag, value, name in [("--tpu", [], "--tpu"), ("--use-bmuf", [], "--use-bmuf"),
+                                  ("--zero-sharding", ["os"], "--zero-sharding"),
+                                  ("--model-parallel-size", ["2"], "--model-parallel-size > 1")]],
+    "`--distributed-world-size 2` in one process (no torchrun) on CPU": [
+        (0, ["--distributed-world-size", "2"], "--distributed-world-size 2 needs one process per "
+                                                "rank and there is CPU (--cpu or no GPU): start "
+                                                "the ranks with torchrun --nproc_per_node 2")],
+    "`--save-dir` that cannot be written": [
+        (1, ["--save-dir", "{plain_file}/ckpt"],
+         "--save-dir {plain_file}/ckpt cannot be written: {plain_file} is not a writable "
+         "directory")],
+    "a data directory without the language pair asked for": [
+        (1, ["--source-lang", "xx", "--target-lang", "yy"],
+         "data not found: {corpus}/dict.xx.txt; check DATA and --source-lang/--target-lang")],
+    "a model whose tied weights cross a layer unit": [
+        (1, ["--arch", "transformer_tied_layers"], "parameter tie between encoder.layers.0.fc1, "
+                                                   "encoder.layers.1.fc1 crosses a layer unit",
+         "tied_layers")],
+    "`--restore-file` that does not exist": [
+        (1, ["--restore-file", "{absent}"], "--restore-file not found: {absent}")],
+    "a `--restore-file` that is not a checkpoint, or is truncated": [
+        (1, ["--restore-file", "{text}"],
+         "cannot read checkpoint {text}: not a PyTorch checkpoint"),
+        (1, ["--restore-file", "{truncated}"], "cannot read checkpoint {truncated}: ")],
+    "a checkpoint pickling other classes": [
+        (1, ["--restore-file", "{stranger}"], "cannot read checkpoint {stranger}: it pickles "
+                                              "datetime.date, which is not among the classes")],
+    "a hydra override with an unknown key (`group.key=...` or `+group.key=...`)": [
+        (1, ["distributed_training.fsdp2_no_such_option=1"], "distributed_training."
+         "fsdp2_no_such_option is not an option of distributed_training", HYDRA),
+        (1, ["+model.encoder_layrs=3"], "model.encoder_layrs is not an option of model "
+                                        "'transformer_nllb_tiny'", HYDRA)],
+    "a sharded checkpoint with a missing or short shard": [
+        (1, ["--restore-file", "{missing_shard}"], "shard file missing: {shard_dir}/__0_0.distcp")],
+    "a checkpoint of another model config": [
+        (1, ["--restore-file", "{good}", "--encoder-ffn-embed-dim", "48"],
+         "{good} does not fit this model: encoder.layers.0.fc1.bias checkpoint (64,) vs "
+         "model (48,)")],
+}
+
+
+def test_the_catalogue_covers_every_readme_row():
+    assert readme_rows() == list(CATALOGUE)
+
+
+CASES = [(row, i, *case, *([] if len(case) == 4 else ["fairseq_cli.train"]))
+         for row, cases in CATALOGUE.items() for i, case in enumerate(cases)]
+
+
+@pytest.mark.parametrize("row, i, ranks, flags, message, module", CASES,
+                         ids=[f"{re.sub(r'[^a-z0-9]+', '-', row.lower()).strip('-')}-{i}"
+                              for row, i, *_ in CASES])
+def test_bad_input_stops_with_one_line_and_writes_nothing(files, tmp_path, monkeypatch, row, i,
+                                                          ranks, flags, message, module):
+    fill = {k: str(v) for k, v in files.items()}
+    flags = [f.format(**fill) for f in flags]
+    message = message.format(**fill)
+    save = tmp_path / "ckpt"
+    before = {p: p.read_bytes() for p in files.values() if p.is_file()}
+    args = [files["corpus"], "--user-dir", PLUGIN, *TINY_MODEL, *TRAINING, *FSDP2,
+            "--max-update", "2", "--save-dir", save, *flags]
+    if module == HYDRA:
+        monkeypatch.chdir(tmp_path)  # where hydra would write its job log
+        args = ["--config-dir", REPO / "configs", "--config-name", "nllb_tiny_demo",
+                f"task.data={files['corpus']}", f"checkpoint.save_dir={save}",
+                "common.cpu=true", *flags]
+    results = run_ranks(max(ranks, 1), lambda r: args, module=module,
+                        env={"PYTHONPATH": PROBES}, timeout=120, torchrun_env=ranks > 0)
+    for r in results:
+        errors = [l for l in r.output.splitlines() if l.startswith("fairseq_fsdp2: error:")]
+        assert r.returncode == 2 and len(errors) == 1, f"rank {r.rank}:\n{r.output[-3000:]}"
+        assert message in errors[0], errors[0]
+        assert "Traceback" not in r.output and "begin training" not in r.output
+    assert not save.exists()
+    assert before == {p: p.read_bytes() for p in before}

@@ -232,6 +232,7 @@ class FSDP2Trainer(Trainer):
     def load_checkpoint(self, filename, reset_optimizer=False, reset_lr_scheduler=False,
                         optimizer_overrides=None, reset_meters=False):
         info = None
+        filename = self._newest_complete(filename)
         if not os.path.isfile(filename) and \
                 self.cfg.checkpoint.restore_file != DEFAULT_RESTORE_FILE:
             # fairseq would silently start from scratch; a named restore file must exist
@@ -259,6 +260,23 @@ class FSDP2Trainer(Trainer):
         if info is not None and extra_state is not None:
             self._rescale_iterator_position(extra_state, info["world_size"])
         return extra_state
+
+    def _newest_complete(self, filename: str) -> str:
+        """fairseq resumes from checkpoint_last.pt. A save cut short after writing
+        checkpoint_<epoch>_<updates>.pt whole, but before copying it to checkpoint_last.pt,
+        leaves a newer complete checkpoint: resume from that one (lose nothing saved)."""
+        if self.cfg.checkpoint.restore_file != DEFAULT_RESTORE_FILE or \
+                not os.path.basename(filename).startswith("checkpoint_last"):
+            return filename
+        last = sharded.saved_updates(filename) if os.path.isfile(filename) else -1
+        for updates, path in sharded.update_checkpoints(os.path.dirname(filename)):
+            if updates <= last:
+                break
+            if sharded.is_complete(path):
+                logger.info(f"{path} (update {updates}) is newer than {filename} "
+                            f"(update {last}), whose save was cut short: resuming from it")
+                return path
+        return filename
 
     def _load_pretrained(self, filename):
         """A stock (consolidated) checkpoint for fine-tuning (--finetune-from-model): rank 0

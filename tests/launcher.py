@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -177,6 +178,7 @@ def finish_ranks(procs: list, timeout: float = 240) -> list[RankResult]:
             p.wait(30)
             note = f"\n[launcher] rank {rank} killed after {timeout}s"
         results.append(RankResult(rank, p.returncode, p.output() + note))
+    shutil.rmtree(os.path.dirname(procs[0].out), ignore_errors=True)  # the logs are read
     return results
 
 

@@ -92,7 +92,9 @@ def test_killed_ranks_are_named_and_restarts_reproduce_the_uninterrupted_run(tra
             assert len(lines) == 1 and f"lost rank {who}" in lines[0], \
                 f"{where}:\n{survivor.output[-3000:]}"
         assert seconds < 90, where  # no hang
-        resume = (update - 1) // SAVE_EVERY * SAVE_EVERY  # the newest save that completed
+        # the newest save that completed: a kill in the copy to checkpoint_last.pt comes after
+        # checkpoint_1_<update>.pt was written whole
+        resume = update if phase == "copy" else (update - 1) // SAVE_EVERY * SAVE_EVERY
 
 
 def test_a_hung_rank_is_named_after_the_heartbeat_timeout(train_args, tmp_path):
@@ -142,3 +144,15 @@ def test_nan_loss_and_out_of_memory_stop_naming_update_and_rank(train_args, tmp_
     for r, pattern in zip(results, expected):
         assert r.returncode != 0
         assert re.search(pattern, r.output), f"rank {r.rank}:\n{r.output[-3000:]}"
+
+
+def test_twenty_short_runs_exit_cleanly(train_args):
+    """gloo with a device mesh aborts at interpreter exit in about half of CPU runs (platform
+    notes); the plugin's shutdown path must make every successful run exit 0."""
+    args = train_args("--ddp-backend", "fsdp2", "--num-workers", "0", updates=1)
+    codes = []
+    for attempt in range(20):
+        results = finish_ranks(start_ranks(2, lambda r: args), timeout=60)
+        codes += [r.returncode for r in results]
+        assert "done training" in results[0].output, results[0].output[-2000:]  # rank 0 logs
+    assert codes == [0] * 40, codes

@@ -14,6 +14,7 @@ of that name intact. DCP reshards on load, so a checkpoint saved at N ranks resu
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 from typing import Optional
@@ -144,6 +145,32 @@ def referenced_dirs(save_dir: str) -> set[str]:
             if isinstance(state, dict) and isinstance(state.get("fsdp2"), dict):
                 found.add(state["fsdp2"]["shards"])
     return found
+
+
+def saved_updates(checkpoint_file: str) -> int:
+    """The update count a fairseq checkpoint file was saved at."""
+    state = torch.load(checkpoint_file, map_location="cpu", weights_only=True, mmap=True)
+    return state["optimizer_history"][-1]["num_updates"]
+
+
+def update_checkpoints(save_dir: str) -> list[tuple[int, str]]:
+    """fairseq's ``checkpoint_<epoch>_<updates>.pt`` files in save_dir, newest first."""
+    found = []
+    for name in os.listdir(save_dir) if os.path.isdir(save_dir) else []:
+        match = re.fullmatch(r"checkpoint_\d+_(\d+)\.pt", name)
+        if match:
+            found.append((int(match.group(1)), os.path.join(save_dir, name)))
+    return sorted(found, reverse=True)
+
+
+def is_complete(checkpoint_file: str) -> bool:
+    """The file reads, and its shard directory is committed with every shard file whole."""
+    try:
+        state = torch.load(checkpoint_file, map_location="cpu", weights_only=True, mmap=True)
+        read_metadata(resolve(checkpoint_file, state["fsdp2"]["shards"]), checkpoint_file)
+    except Exception:  # noqa: BLE001 - truncated, not ours, shards missing: not complete
+        return False
+    return True
 
 
 def remove_unreferenced(save_dir: str) -> list[str]:

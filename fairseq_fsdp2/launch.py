@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import open_dict
 
-from . import liveness, preflight
+from . import liveness, meta_init, preflight
 from .checkpoint.consolidate import consolidate_at_end
 from .errors import FSDP2Error, OptionError, RankLostError, TrainingStopped
 from .options import FSDP2_BACKEND, LEGACY_FSDP_BACKEND, validate
@@ -130,6 +130,7 @@ def prepare(cfg) -> bool:
                        (cfg.common.model_parallel_size > 1, "--model-parallel-size > 1")):
         if flag:
             raise OptionError(f"{name} cannot be combined with --ddp-backend fsdp2")
+    meta_init.enable(meta_init.weights_will_be_loaded(cfg))
     _init_with_timeout(cfg)
     return True
 

@@ -13,11 +13,12 @@ import sys
 import fairseq.distributed.utils as fairseq_distributed_utils
 import fairseq.file_io
 import fairseq.options
+import fairseq.tasks
 import fairseq_cli.train
 from fairseq.dataclass import configs as fairseq_configs
 from fairseq.dataclass.initialize import hydra_init
 
-from . import launch
+from . import launch, meta_init
 from .checkpoint.safe_load import allow_fairseq_checkpoint_classes
 from .options import FSDP2DistributedTrainingConfig
 from .trainer import select_trainer
@@ -66,11 +67,24 @@ def install() -> None:
     fairseq.options.parse_args_and_arch = functools.wraps(fairseq.options.parse_args_and_arch)(
         functools.partial(launch.parse_args_and_arch, fairseq.options.parse_args_and_arch))
 
-    # 6. Saving: fairseq writes a checkpoint atomically (temp file, then rename) but then copies
+    # 6. Model construction: fairseq builds the full model, randomly initialised, on every
+    #    rank; for FSDP2 runs that load their weights it is built on the meta device instead
+    #    (meta_init.py). Both base classes of fairseq's tasks implement build_model.
+    for task_class in (fairseq.tasks.FairseqTask, fairseq.tasks.LegacyFairseqTask):
+        task_class.build_model = _meta_aware(task_class.build_model)
+
+    # 7. Saving: fairseq writes a checkpoint atomically (temp file, then rename) but then copies
     #    it over checkpoint_last.pt / checkpoint_best.pt in place, so a kill during the copy
     #    leaves a truncated file where the previous good one was. Copy to a temp name and rename.
     fairseq.file_io.PathManager.copy = staticmethod(
         functools.partial(_atomic_copy, fairseq.file_io.PathManager.copy))
+
+
+def _meta_aware(fairseq_build_model):
+    @functools.wraps(fairseq_build_model)
+    def build_model(task, cfg, *args, **kwargs):
+        return meta_init.build_model(fairseq_build_model, task, cfg, *args, **kwargs)
+    return build_model
 
 
 def _atomic_copy(copy, src_path: str, dst_path: str, overwrite: bool = False) -> bool:

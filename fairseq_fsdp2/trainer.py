@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from . import liveness, precision, tied_grad
+from . import liveness, meta_init, precision, tied_grad
 from .apply import apply_plan, build_mesh
 from .checkpoint import sharded
 from .checkpoint.safe_load import read_checkpoint_file
@@ -45,10 +45,16 @@ class FSDP2Trainer(Trainer):
         # fairseq's Trainer.__init__ casts the model to fp16/bf16 and refuses --cpu-offload unless
         # the backend is fairscale's. Here the sharded fp32 parameters are the master weights
         # (precision.py) and --cpu-offload maps to FSDP2's offload, so hide those flags from it.
+        # It also moves the whole model to the device (on GPUs a full copy per rank, and
+        # impossible for a meta-device model); fully_shard moves each rank's shards instead.
+        self._in_base_init = True
         with _flags_hidden(cfg, ("common", "fp16"), ("common", "bf16"),
                            ("common", "memory_efficient_fp16"),
                            ("distributed_training", "cpu_offload")):
             super().__init__(cfg, task, model, criterion, quantizer)
+        self._in_base_init = False
+        self._criterion = self._criterion.to(device=self.device)
+        self._weights_loaded = False  # a meta-built model must be loaded before use
         self.sharding_plan: ShardingPlan | None = None
         self._overflowed = False
         self._loading_from: str | None = None  # the checkpoint file being loaded
@@ -64,7 +70,9 @@ class FSDP2Trainer(Trainer):
     # -- wrapping ------------------------------------------------------------------------------
     @property
     def use_distributed_wrapper(self) -> bool:
-        return False  # no DDP-style wrapper: the model is sharded in place (see `model`)
+        # No DDP-style wrapper: the model is sharded in place (see `model`). True only while
+        # fairseq's __init__ runs, where it means "leave the model where it is".
+        return getattr(self, "_in_base_init", False)
 
     @property
     def model(self):
@@ -98,6 +106,8 @@ class FSDP2Trainer(Trainer):
         precision.cast_float_buffers(model, dtype)
         apply_plan(model, plan, mesh, mp_policy=precision.mixed_precision_policy(self.cfg.common),
                    cpu_offload=dt.cpu_offload)
+        if meta_init.built_on_meta(model):
+            meta_init.materialize(model, torch.device("cpu") if dt.cpu_offload else self.device)
         model.register_load_state_dict_pre_hook(self._load_sharded_model)
         if dt.fsdp2_no_sync_micro_batches:
             # fairseq's update-freq loop calls model.no_sync() on all but the last micro-batch
@@ -126,7 +136,17 @@ class FSDP2Trainer(Trainer):
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     # -- the step ------------------------------------------------------------------------------
+    def _check_weights(self) -> None:
+        if meta_init.built_on_meta(self._model) and not self._weights_loaded:
+            raise CheckpointError("the model was built on the meta device for a checkpoint to "
+                                  "fill, but no checkpoint was loaded")
+
+    def valid_step(self, sample, raise_oom=False):
+        self._check_weights()
+        return super().valid_step(sample, raise_oom)
+
     def train_step(self, samples, raise_oom=False):
+        self._check_weights()
         self._overflowed = False
         if self._heartbeat is not None:
             self._heartbeat.num_updates = self.get_num_updates()
@@ -257,6 +277,7 @@ class FSDP2Trainer(Trainer):
                                                   optimizer_overrides, reset_meters)
         finally:
             self._loading_from = None
+        self._weights_loaded = self._weights_loaded or os.path.isfile(filename)
         if info is not None and extra_state is not None:
             self._rescale_iterator_position(extra_state, info["world_size"])
         return extra_state
@@ -287,11 +308,15 @@ class FSDP2Trainer(Trainer):
         before = current_gb(self.device)
         full = read_checkpoint_file(filename)["model"] if self.data_parallel_rank == 0 else None
         broadcast_full_model(self.model, full, filename)
+        self._weights_loaded = True
         del full
-        ranks = self._memory.gather({"before_gb": before})
+        ranks = self._memory.gather({"before_gb": before,
+                                     "startup_gb": self._memory.startup_peak_gb})
         logger.info(f"loaded pretrained weights from {filename}; memory per rank before -> peak "
                     f"during the load (GB): " + ", ".join(
-                        f"{r['before_gb']:.3f} -> {r['peak_gb']:.3f}" for r in ranks))
+                        f"{r['before_gb']:.3f} -> {r['peak_gb']:.3f}" for r in ranks) +
+                    "; peak while building the model: " + ", ".join(
+                        f"{r['startup_gb']:.3f}" for r in ranks))
         return None
 
     def _rescale_iterator_position(self, extra_state, saved_world: int) -> None:

@@ -79,6 +79,8 @@ class MemoryMonitor:
         self.group = group
         #: (update, every rank's figures) of the last log: what an out-of-memory report quotes
         self.last: Optional[tuple[int, list[dict]]] = None
+        #: this process's peak before training (runtime, data, building the model), GiB
+        self.startup_peak_gb = read_peak(device)["peak_gb"]
         reset_peak(device)
 
     def reset(self) -> None:

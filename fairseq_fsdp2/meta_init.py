@@ -1,0 +1,93 @@
+"""Build the model on the meta device when its weights will be loaded anyway.
+
+fairseq builds the full model, randomly initialised, on every rank before the trainer sees it:
+for NLLB 3.3B that is 13 GiB of host memory per rank, for weights that ``--finetune-from-model``
+or a resumed checkpoint overwrite at once. When a run will load weights, the plugin has fairseq
+build the model on the ``meta`` device (shapes only, no memory); the trainer shards it
+(``fully_shard`` works on meta modules), allocates only this rank's shards (``to_empty``) and
+recomputes the non-persistent buffers no checkpoint holds. The load then fills every parameter
+and persistent buffer (strictly; the trainer refuses to train a meta-built model nothing was
+loaded into).
+
+A model with a non-persistent buffer this module cannot recompute is built on meta, found
+wanting, and built again normally (logged): correctness first.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from fairseq.modules.sinusoidal_positional_embedding import SinusoidalPositionalEmbedding
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_RESTORE_FILE = "checkpoint_last.pt"  # fairseq's default --restore-file
+
+#: How to recompute each module type's non-persistent buffers: module -> {name: tensor}.
+RECIPES: dict[type, Callable[[nn.Module], dict[str, torch.Tensor]]] = {
+    SinusoidalPositionalEmbedding: lambda m: {"weights": m.get_embedding(
+        m.weights.shape[0], m.embedding_dim, m.padding_idx)},
+}
+
+_enabled = False  # set by launch.py for the run; read when fairseq builds the model
+
+
+def weights_will_be_loaded(cfg) -> bool:
+    """True if fairseq-train will load model weights before training: a fine-tuning source,
+    or an existing checkpoint to resume (fairseq's --restore-file resolution)."""
+    ckpt = cfg.checkpoint
+    if ckpt.finetune_from_model:
+        return True
+    if ckpt.restore_file == DEFAULT_RESTORE_FILE:
+        path = os.path.join(ckpt.save_dir, f"checkpoint_last{ckpt.checkpoint_suffix}.pt")
+        return os.path.isfile(path) or _has_update_checkpoint(ckpt.save_dir)
+    return os.path.isfile(ckpt.restore_file)
+
+
+def _has_update_checkpoint(save_dir: str) -> bool:
+    # the trainer also resumes from checkpoint_<epoch>_<updates>.pt (see _newest_complete)
+    return os.path.isdir(save_dir) and any(
+        n.startswith("checkpoint_") and n.endswith(".pt") for n in os.listdir(save_dir))
+
+
+def enable(on: bool) -> None:
+    global _enabled
+    _enabled = on
+
+
+def build_model(fairseq_build_model, task, cfg, *args, **kwargs) -> nn.Module:
+    """Stand-in for fairseq's FairseqTask.build_model (registration.py)."""
+    if not _enabled:
+        return fairseq_build_model(task, cfg, *args, **kwargs)
+    with torch.device("meta"):
+        model = fairseq_build_model(task, cfg, *args, **kwargs)
+    unknown = sorted({type(m).__name__ for m in model.modules()
+                      if m._non_persistent_buffers_set and type(m) not in RECIPES})
+    if unknown:
+        logger.info(f"building the model in full: cannot recompute the non-persistent buffers "
+                    f"of {', '.join(unknown)} after a meta-device build")
+        return fairseq_build_model(task, cfg, *args, **kwargs)
+    model.fsdp2_built_on_meta = True
+    logger.info("model built on the meta device: its weights come from the checkpoint, each "
+                "rank allocates only its shards")
+    return model
+
+
+def built_on_meta(model: nn.Module) -> bool:
+    return getattr(model, "fsdp2_built_on_meta", False)
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """After sharding: allocate this rank's shards (uninitialised: the load fills them) and
+    recompute the non-persistent buffers."""
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for module in model.modules():
+            recipe = RECIPES.get(type(module))
+            if recipe is not None:
+                for name, value in recipe(module).items():
+                    buffer = getattr(module, name)
+                    buffer.copy_(value.to(buffer.dtype))

@@ -107,7 +107,8 @@ def setup_for(args, world_size: int) -> Setup:
         update_freq=int((getattr(args, "update_freq", None) or [1])[0]),
         no_sync=bool(getattr(args, "fsdp2_no_sync_micro_batches", False)),
         checkpoint_activations=bool(getattr(args, "checkpoint_activations", False)),
-        memory_efficient_fp16=bool(getattr(args, "memory_efficient_fp16", False)))
+        memory_efficient_fp16=bool(getattr(args, "memory_efficient_fp16", False)),
+        tied_grad_buffer=bool(getattr(args, "fsdp2_tied_grad_buffer", False)))
 
 
 def build_task(args):

@@ -160,6 +160,7 @@ class Setup:
     no_sync: bool = False
     checkpoint_activations: bool = False
     memory_efficient_fp16: bool = False
+    tied_grad_buffer: bool = False  # --fsdp2-tied-grad-buffer: one gradient for all uses
 
 
 @dataclass
@@ -708,12 +709,14 @@ class _FSDP2Step:
         self.unshard(self.shared, f"loss: all-gather {self.shared}", forward=True)
         led.moment("loss forward: one chunk", loss=n * V * (c + float_copy + 4))
         new = V * d * c
+        buffered = self.s.tied_grad_buffer  # chunks add into the one buffer, in place
         for i in range(chunks):
             led.moment("loss backward: one chunk (recomputed)", loss=3 * n * V * 4)
-            led.moment("backward: chunk output projection", loss=n * V * c, grads=new)
+            led.moment("backward: chunk output projection", loss=n * V * c,
+                       grads=0 if buffered and i > 0 else new)
             if i == 0:
                 led.add("grads", new)
-            elif i == 1:  # the first accumulation into the weight's gradient is out of place
+            elif i == 1 and not buffered:  # the first accumulation is out of place
                 led.moment("backward: chunk weight-gradient accumulation", grads=2 * new)
         led.sub("loss", T * d * c)
         # the first chunk's post-backward reshards the shared unit (its gradient is still in
@@ -752,7 +755,10 @@ class _FSDP2Step:
                 elif name not in self.reduced:
                     self.reduce_scatter(name, n_params * c, in_ledger=False)
             elif value in p.embed_paths:
-                extra = V * d * c if accumulated else 2 * V * d * c
+                # stock: each lookup's dense vocab x dim gradient, added to the weight's; with
+                # --fsdp2-tied-grad-buffer the rows are added into the one buffer in place
+                extra = (0 if self.s.tied_grad_buffer else
+                         V * d * c if accumulated else 2 * V * d * c)
                 led.moment(f"backward: {value} (embedding gradient)", grads=extra)
                 accumulated = True
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import REPO
-from launcher import finish_ranks, start_ranks, train_inner
+from launcher import finish_ranks, free_port, run_ranks, start_ranks, train_inner
 
 PROBES = str(REPO / "tests" / "probes")
 UPDATES = 16
@@ -111,6 +111,21 @@ def test_a_hung_rank_is_named_after_the_heartbeat_timeout(train_args, tmp_path):
     assert "Timed out waiting 5000ms" in survivor.output
     lines = [l for l in survivor.output.splitlines() if l.startswith("fairseq_fsdp2: error:")]
     assert len(lines) == 1 and "lost rank 1 (rank 0 noticed at update 3)" in lines[0], lines
+
+
+def test_a_rank_whose_peer_never_comes_gives_up_after_the_timeout(train_args):
+    """Rank 1 of 2, and rank 0 never starts (died before the rendezvous): without
+    --heartbeat-timeout torch waits 30 minutes; with it, one line after the timeout."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
+           "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    args = train_args("--ddp-backend", "fsdp2", "--heartbeat-timeout", 5)
+    started = time.monotonic()
+    (r,) = run_ranks(1, lambda _: args, env=env, torchrun_env=False, timeout=90)
+    assert r.returncode == 1 and time.monotonic() - started < 60, r.output[-3000:]
+    lines = [l for l in r.output.splitlines() if l.startswith("fairseq_fsdp2: error:")]
+    assert len(lines) == 1 and lines[0].startswith(
+        "fairseq_fsdp2: error: rank 1 could not meet the other ranks at env:// within "
+        "--heartbeat-timeout 5 s (a rank died or never started)"), r.output[-3000:]
 
 
 def test_disk_full_during_a_save_keeps_the_previous_checkpoint(train_args, tmp_path):

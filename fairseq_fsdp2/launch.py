@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import sys
+import warnings
 from datetime import timedelta
 
 import torch
@@ -155,6 +156,8 @@ def _init_with_timeout(cfg) -> None:
             f"rank {dt.distributed_rank} could not meet the other ranks at "
             f"{dt.distributed_init_method} within --heartbeat-timeout {dt.heartbeat_timeout} s "
             f"(a rank died or never started): {str(e).splitlines()[0][:200]}") from e
+    # fairseq's distributed_init then warns that the group exists: expected here
+    warnings.filterwarnings("ignore", message="Distributed is already initialized")
 
 
 def _after_training(cfg) -> None:

@@ -201,15 +201,19 @@ def _add_defaults_or_exit(cfg: DictConfig) -> None:
 
 
 def check_fixed_group_overrides(overrides: list[str]) -> None:
-    """A ``group.key=value`` override of a group with a fixed schema (common, checkpoint,
-    distributed_training, ...) whose key does not exist. Hydra refuses it too, but with a
-    seven-line message and exit status 1; say it in one line, before hydra starts."""
+    """A ``group.key=value`` override of a group that does not exist, or of a group with a
+    fixed schema (common, checkpoint, distributed_training, ...) whose key does not exist.
+    Hydra refuses both too, but with a seven-line message and exit status 1; say it in one
+    line, before hydra starts."""
     schema = {f.name: f.type for f in dataclasses.fields(FairseqConfig)}
     for override in overrides:
         key = override.split("=", 1)[0]
         if override.startswith(("+", "~", "-")) or "=" not in override or "." not in key:
             continue
         group, name = key.split(".", 1)
+        if group not in schema and group != "hydra":
+            raise HydraConfigError(f"{key}: {group} is not a config group (the groups: "
+                                   f"{', '.join(sorted(schema))})")
         node = schema.get(group)
         if dataclasses.is_dataclass(node) and name.split(".")[0] not in {
                 f.name for f in dataclasses.fields(node)}:

@@ -111,7 +111,9 @@ CATALOGUE = {
         (1, ["distributed_training.fsdp2_no_such_option=1"], "distributed_training."
          "fsdp2_no_such_option is not an option of distributed_training", HYDRA),
         (1, ["+model.encoder_layrs=3"], "model.encoder_layrs is not an option of model "
-                                        "'transformer_nllb_tiny'", HYDRA)],
+                                        "'transformer_nllb_tiny'", HYDRA),
+        (1, ["optimisation.lr=[0.1]"], "optimisation.lr: optimisation is not a config group",
+         HYDRA)],
     "a sharded checkpoint with a missing or short shard": [
         (1, ["--restore-file", "{missing_shard}"], "shard file missing: {shard_dir}/__0_0.distcp")],
     "a checkpoint of another model config": [

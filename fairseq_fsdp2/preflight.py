@@ -1,7 +1,7 @@
 """Bad input caught before work starts, or recognised when fairseq trips over it.
 
 ``check_launch`` runs before the process group exists: a world size that the processes on
-hand cannot form, a --save-dir that cannot be created. ``data_error`` turns fairseq's own errors
+hand cannot form, a --save-dir that cannot be created, a --finetune-from-model that is not there. ``data_error`` turns fairseq's own errors
 for a data directory without the files asked for (raised while the task loads, on every rank
 alike) into one line.
 """
@@ -26,6 +26,9 @@ def check_launch(cfg, *, launched_per_rank: bool, on_cuda: bool) -> None:
                 f"--distributed-world-size {world} needs one process per rank and there is "
                 f"{where}: start the ranks with torchrun --nproc_per_node {world} (or SLURM) "
                 f"and leave out the distributed flags")
+    source = cfg.checkpoint.finetune_from_model
+    if source and not os.path.isfile(source):  # fairseq would stop later with a traceback
+        raise OptionError(f"--finetune-from-model not found: {source}")
     save_dir = cfg.checkpoint.save_dir
     if not cfg.checkpoint.no_save:
         existing = os.path.abspath(save_dir)

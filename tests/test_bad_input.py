@@ -98,8 +98,9 @@ CATALOGUE = {
         (1, ["--arch", "transformer_tied_layers"], "parameter tie between encoder.layers.0.fc1, "
                                                    "encoder.layers.1.fc1 crosses a layer unit",
          "tied_layers")],
-    "`--restore-file` that does not exist": [
-        (1, ["--restore-file", "{absent}"], "--restore-file not found: {absent}")],
+    "`--restore-file` or `--finetune-from-model` that does not exist": [
+        (1, ["--restore-file", "{absent}"], "--restore-file not found: {absent}"),
+        (2, ["--finetune-from-model", "{absent}"], "--finetune-from-model not found: {absent}")],
     "a `--restore-file` that is not a checkpoint, or is truncated": [
         (1, ["--restore-file", "{text}"],
          "cannot read checkpoint {text}: not a PyTorch checkpoint"),

@@ -1,6 +1,16 @@
 """Errors the plugin reports as one line (``fairseq_fsdp2: error: ...``), without a traceback
 unless FAIRSEQ_FSDP2_DEBUG=1: exit status 2 for bad input (stopped before any work), 1 for a
 failure during training (see TrainingStopped)."""
+from __future__ import annotations
+
+from typing import Optional
+
+
+def first_line(error: BaseException, limit: Optional[int] = 200) -> str:
+    """The first line of an error's text (at most ``limit`` characters; None: all of it), or
+    its type's name when it has none: what a one-line report quotes of a long message."""
+    text = str(error).strip()
+    return text.splitlines()[0][:limit] if text else type(error).__name__
 
 
 class FSDP2Error(Exception):

@@ -25,7 +25,7 @@ from omegaconf import open_dict
 
 from . import liveness, meta_init, preflight
 from .checkpoint.consolidate import consolidate_at_end
-from .errors import FSDP2Error, OptionError, RankLostError, TrainingStopped
+from .errors import FSDP2Error, OptionError, RankLostError, TrainingStopped, first_line
 from .options import FSDP2_BACKEND, LEGACY_FSDP_BACKEND, validate
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def call_main(fairseq_call_main, cfg, main, **kwargs):
         if beat is None or not liveness.looks_like_peer_loss(e):
             raise
         # A peer died or stopped answering: say which.
-        logger.error(f"collective failed: {str(e).splitlines()[0][:300]}")
+        logger.error(f"collective failed: {first_line(e, 300)}")
         _stop(liveness.describe_loss(
             beat, None if cfg.checkpoint.no_save else cfg.checkpoint.save_dir), 1)
     if is_fsdp2 and dist.is_initialized():
@@ -155,7 +155,7 @@ def _init_with_timeout(cfg) -> None:
         raise RankLostError(
             f"rank {dt.distributed_rank} could not meet the other ranks at "
             f"{dt.distributed_init_method} within --heartbeat-timeout {dt.heartbeat_timeout} s "
-            f"(a rank died or never started): {str(e).splitlines()[0][:200]}") from e
+            f"(a rank died or never started): {first_line(e)}") from e
     # fairseq's distributed_init then warns that the group exists: expected here
     warnings.filterwarnings("ignore", message="Distributed is already initialized")
 

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .errors import OptionError
+from .errors import OptionError, first_line
 
 
 def check_launch(cfg, *, launched_per_rank: bool, on_cuda: bool) -> None:
@@ -41,7 +41,7 @@ def check_launch(cfg, *, launched_per_rank: bool, on_cuda: bool) -> None:
 
 def data_error(error: BaseException, data: Optional[str]) -> Optional[str]:
     """One line for fairseq's missing-data errors, or None if ``error`` is something else."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    text = first_line(error, None)
     hint = "check DATA and --source-lang/--target-lang (or --lang-pairs)"
     if isinstance(error, FileNotFoundError):
         missing = error.filename or (text.startswith("Dataset not found") and text)

@@ -26,7 +26,7 @@ from .apply import apply_plan, build_mesh
 from .checkpoint import sharded
 from .checkpoint.safe_load import read_checkpoint_file
 from .checkpoint.full_state import broadcast_full_model, install_optimizer_hooks
-from .errors import CheckpointError, OutOfMemory, SaveFailed
+from .errors import CheckpointError, OutOfMemory, SaveFailed, first_line
 from .memory import MemoryMonitor
 from .memory.monitor import current_gb, describe_last
 from .memory.breakdown import record_update
@@ -160,7 +160,7 @@ class FSDP2Trainer(Trainer):
                 update = self.get_num_updates() + 1
                 raise OutOfMemory(
                     f"out of memory on rank {self.data_parallel_rank} at update {update}: "
-                    f"{str(e).splitlines()[0][:200]}; {describe_last(self._memory)}. See where "
+                    f"{first_line(e)}; {describe_last(self._memory)}. See where "
                     f"it goes with --fsdp2-memory-breakdown {update} (and a smaller "
                     f"--max-tokens to get there)") from e
             # NaN/Inf gradients or the loss-scale floor stop every rank: say where. (fairseq
@@ -232,7 +232,7 @@ class FSDP2Trainer(Trainer):
             raise SaveFailed(
                 f"saving the checkpoint of update {self.get_num_updates()} to "
                 f"{self.cfg.checkpoint.save_dir} failed on rank {self.data_parallel_rank}: "
-                f"{_first_line(e)}; the previous checkpoints are intact") from e
+                f"{_save_error(e)}; the previous checkpoints are intact") from e
 
     def state_dict(self):
         if self._shards is None:
@@ -350,14 +350,13 @@ class FSDP2Trainer(Trainer):
         return optimizer.state_dict()
 
 
-def _first_line(error: BaseException) -> str:
-    """The first line of an error's text; for DCP's CheckpointException, which wraps each
-    rank's failure, that of the first failing rank's."""
+def _save_error(error: BaseException) -> str:
+    """What a failed save reports; for DCP's CheckpointException, which wraps each rank's
+    failure, the first failing rank's error."""
     if isinstance(error, CheckpointException) and error.failures:
         rank, (cause, _) = min(error.failures.items())
-        return f"{_first_line(cause)} (rank {rank}'s write)"
-    text = str(error).strip()
-    return text.splitlines()[0][:300] if text else type(error).__name__
+        return f"{first_line(cause, 300)} (rank {rank}'s write)"
+    return first_line(error, 300)
 
 
 def _in_context(error: BaseException, kind: type):

@@ -29,7 +29,7 @@ import re
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, first_line
 from .safe_load import read_checkpoint_file
 
 SHARD_RE = re.compile(r"^(?P<prefix>.+)-shard(?P<rank>\d+)\.pt$")
@@ -224,7 +224,7 @@ def add_module_aliases(weights: dict, cfg: dict, data: str | None = None) -> dic
         with torch.device("meta"):
             model = task.build_model(cfg.model)
     except Exception as e:  # noqa: BLE001 - any reason the model cannot be built here
-        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        reason = first_line(e)
         raise CheckpointError(
             "cannot build the model from the checkpoint's cfg to find its tied weights "
             f"({reason}); if the data directory moved, pass --data DIR") from e

@@ -14,7 +14,7 @@ import typing
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, first_line
 from fairseq.distributed.utils import _TensorPlaceholder
 from omegaconf import DictConfig, ListConfig, nodes
 from omegaconf.base import ContainerMetadata, Metadata
@@ -77,7 +77,7 @@ def read_checkpoint_file(path: str, mmap: bool = True) -> dict:
                 f"cannot read checkpoint {path}: it pickles {unsafe.group(1)}, which is not "
                 "among the classes fairseq checkpoints hold; refused for safety (if you trust "
                 f"the file, list it in {TRUSTED_ENV})") from e
-        reason = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+        reason = first_line(e, None)
         unpickler = re.search(r"WeightsUnpickler error:\s*(.*)", text)
         if unpickler:  # torch's long "Weights only load failed" preamble: keep the cause
             reason = f"not a PyTorch checkpoint ({unpickler.group(1).strip()})"

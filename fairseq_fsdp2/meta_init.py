@@ -22,9 +22,9 @@ import torch
 import torch.nn as nn
 from fairseq.modules.sinusoidal_positional_embedding import SinusoidalPositionalEmbedding
 
-logger = logging.getLogger(__name__)
+from .checkpoint import sharded
 
-DEFAULT_RESTORE_FILE = "checkpoint_last.pt"  # fairseq's default --restore-file
+logger = logging.getLogger(__name__)
 
 #: How to recompute each module type's non-persistent buffers: module -> {name: tensor}.
 RECIPES: dict[type, Callable[[nn.Module], dict[str, torch.Tensor]]] = {
@@ -41,16 +41,11 @@ def weights_will_be_loaded(cfg) -> bool:
     ckpt = cfg.checkpoint
     if ckpt.finetune_from_model:
         return True
-    if ckpt.restore_file == DEFAULT_RESTORE_FILE:
+    if ckpt.restore_file == sharded.DEFAULT_RESTORE_FILE:
         path = os.path.join(ckpt.save_dir, f"checkpoint_last{ckpt.checkpoint_suffix}.pt")
-        return os.path.isfile(path) or _has_update_checkpoint(ckpt.save_dir)
+        # the trainer's rule: checkpoint_last, else a newer complete update checkpoint
+        return os.path.isfile(path) or sharded.newest_complete(ckpt.save_dir) is not None
     return os.path.isfile(ckpt.restore_file)
-
-
-def _has_update_checkpoint(save_dir: str) -> bool:
-    # the trainer also resumes from checkpoint_<epoch>_<updates>.pt (see _newest_complete)
-    return os.path.isdir(save_dir) and any(
-        n.startswith("checkpoint_") and n.endswith(".pt") for n in os.listdir(save_dir))
 
 
 def enable(on: bool) -> None:

@@ -35,7 +35,6 @@ from .plan import ShardingPlan, build_plan
 logger = logging.getLogger(__name__)
 
 DEFAULT_MIN_PARAMS_TO_WRAP = int(1e8)  # fairseq's default
-DEFAULT_RESTORE_FILE = "checkpoint_last.pt"  # fairseq's default --restore-file
 
 
 class FSDP2Trainer(Trainer):
@@ -254,7 +253,7 @@ class FSDP2Trainer(Trainer):
         info = None
         filename = self._newest_complete(filename)
         if not os.path.isfile(filename) and \
-                self.cfg.checkpoint.restore_file != DEFAULT_RESTORE_FILE:
+                self.cfg.checkpoint.restore_file != sharded.DEFAULT_RESTORE_FILE:
             # fairseq would silently start from scratch; a named restore file must exist
             raise CheckpointError(f"--restore-file not found: {filename}")
         if os.path.isfile(filename):
@@ -286,18 +285,17 @@ class FSDP2Trainer(Trainer):
         """fairseq resumes from checkpoint_last.pt. A save cut short after writing
         checkpoint_<epoch>_<updates>.pt whole, but before copying it to checkpoint_last.pt,
         leaves a newer complete checkpoint: resume from that one (lose nothing saved)."""
-        if self.cfg.checkpoint.restore_file != DEFAULT_RESTORE_FILE or \
+        if self.cfg.checkpoint.restore_file != sharded.DEFAULT_RESTORE_FILE or \
                 not os.path.basename(filename).startswith("checkpoint_last"):
             return filename
         last = sharded.saved_updates(filename) if os.path.isfile(filename) else -1
-        for updates, path in sharded.update_checkpoints(os.path.dirname(filename)):
-            if updates <= last:
-                break
-            if sharded.is_complete(path):
-                logger.info(f"{path} (update {updates}) is newer than {filename} "
-                            f"(update {last}), whose save was cut short: resuming from it")
-                return path
-        return filename
+        newer = sharded.newest_complete(os.path.dirname(filename), newer_than=last)
+        if newer is None:
+            return filename
+        updates, path = newer
+        logger.info(f"{path} (update {updates}) is newer than {filename} (update {last}), "
+                    f"whose save was cut short: resuming from it")
+        return path
 
     def _load_pretrained(self, filename):
         """A stock (consolidated) checkpoint for fine-tuning (--finetune-from-model): rank 0

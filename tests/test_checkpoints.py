@@ -252,6 +252,33 @@ def test_missing_restore_file_and_stock_checkpoint_of_another_model(saved_run, t
         assert r.returncode == 2 and len(lines) == 1 and message in lines[0], r.output[-2000:]
 
 
+def test_meta_build_only_where_a_restart_has_weights_to_load(saved_run, tmp_path):
+    """The model is built on the meta device only where the trainer will load a checkpoint:
+    checkpoint_last.pt, or (if missing) a complete checkpoint_<epoch>_<updates>.pt. Files
+    fairseq does not resume from (checkpoint_best.pt, checkpoint1.pt, a truncated update
+    checkpoint) leave the model to be built in full, as fairseq then trains from scratch."""
+    from types import SimpleNamespace
+
+    from fairseq_fsdp2 import meta_init
+
+    def will_load(save_dir):
+        return meta_init.weights_will_be_loaded(SimpleNamespace(checkpoint=SimpleNamespace(
+            finetune_from_model=None, restore_file="checkpoint_last.pt",
+            save_dir=str(save_dir), checkpoint_suffix="")))
+    root, _, _ = saved_run
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in ("checkpoint_best.pt", "checkpoint1.pt"):
+        shutil.copy(root / "run" / "checkpoint_last.pt", other / name)
+    (other / "checkpoint_1_12.pt").write_bytes(b"cut short")
+    assert not will_load(other) and not will_load(tmp_path / "absent")
+    complete = tmp_path / "complete"
+    shutil.copytree(root / "run", complete)
+    assert will_load(complete)
+    (complete / "checkpoint_last.pt").unlink()
+    assert will_load(complete)  # checkpoint_1_10.pt and its shards are whole
+
+
 def test_save_point_without_a_file_to_write_does_not_hang(train_args):
     """At an epoch end with --no-epoch-checkpoints --no-last-checkpoints fairseq writes no
     file; every rank must still agree on the (collective) shard write."""

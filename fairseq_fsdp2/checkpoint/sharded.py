@@ -27,11 +27,14 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict)
 
 from ..errors import CheckpointError
+from .safe_load import read_checkpoint_file
 
 #: Key marking a state entry that lives in a DCP directory (its value: the directory,
 #: relative to the checkpoint file).
 SHARDED = "fsdp2_sharded"
 SHARDS_DIR = "fsdp2_shards"
+#: fairseq's default --restore-file, which it resolves to <save-dir>/checkpoint_last<suffix>.pt
+DEFAULT_RESTORE_FILE = "checkpoint_last.pt"
 FORMAT_VERSION = 1
 
 
@@ -138,19 +141,17 @@ def referenced_dirs(save_dir: str) -> set[str]:
     for name in os.listdir(save_dir):
         if name.endswith(".pt"):
             try:
-                state = torch.load(os.path.join(save_dir, name), map_location="cpu",
-                                   weights_only=True, mmap=True)
-            except Exception:  # noqa: BLE001 - an unreadable file references nothing
+                state = read_checkpoint_file(os.path.join(save_dir, name))
+            except CheckpointError:  # an unreadable file references nothing
                 continue
-            if isinstance(state, dict) and isinstance(state.get("fsdp2"), dict):
+            if isinstance(state.get("fsdp2"), dict):
                 found.add(state["fsdp2"]["shards"])
     return found
 
 
 def saved_updates(checkpoint_file: str) -> int:
     """The update count a fairseq checkpoint file was saved at."""
-    state = torch.load(checkpoint_file, map_location="cpu", weights_only=True, mmap=True)
-    return state["optimizer_history"][-1]["num_updates"]
+    return read_checkpoint_file(checkpoint_file)["optimizer_history"][-1]["num_updates"]
 
 
 def update_checkpoints(save_dir: str) -> list[tuple[int, str]]:
@@ -166,11 +167,23 @@ def update_checkpoints(save_dir: str) -> list[tuple[int, str]]:
 def is_complete(checkpoint_file: str) -> bool:
     """The file reads, and its shard directory is committed with every shard file whole."""
     try:
-        state = torch.load(checkpoint_file, map_location="cpu", weights_only=True, mmap=True)
+        state = read_checkpoint_file(checkpoint_file)
         read_metadata(resolve(checkpoint_file, state["fsdp2"]["shards"]), checkpoint_file)
-    except Exception:  # noqa: BLE001 - truncated, not ours, shards missing: not complete
+    except (CheckpointError, KeyError, TypeError):  # unreadable, not ours, shards missing
         return False
     return True
+
+
+def newest_complete(save_dir: str, newer_than: int = -1) -> Optional[tuple[int, str]]:
+    """(updates, path) of the newest complete ``checkpoint_<epoch>_<updates>.pt`` saved after
+    update ``newer_than``: what a restart resumes from when checkpoint_last.pt is older or
+    missing because a save died before fairseq copied the file to it."""
+    for updates, path in update_checkpoints(save_dir):
+        if updates <= newer_than:
+            break
+        if is_complete(path):
+            return updates, path
+    return None
 
 
 def remove_unreferenced(save_dir: str) -> list[str]:

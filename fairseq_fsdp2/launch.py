@@ -201,7 +201,6 @@ def _remove_if_created_empty(save_dir: str, existed: bool) -> None:
             pass  # another rank removed it first
 
 
-
 def _exit_cleanly() -> None:
     dist.barrier()
     dist.destroy_process_group()

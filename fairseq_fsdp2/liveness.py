@@ -26,8 +26,8 @@ CHECK_BEATS = 3
 
 #: gloo/NCCL/store failures that mean a peer went away or stopped answering
 PEER_LOSS_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                     "Timed out", "timed out", "Timeout", "Socket closed", "NCCL communicator was aborted",
-                     "failed to recv", "failed to send")
+                     "Timed out", "timed out", "Timeout", "Socket closed",
+                     "NCCL communicator was aborted", "failed to recv", "failed to send")
 
 
 class Heartbeat:
@@ -40,21 +40,17 @@ class Heartbeat:
         self.world_size = world_size
         self.interval = interval
         self.num_updates = 0  # set by the trainer: where training was when a peer was lost
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="fsdp2-heartbeat", daemon=True)
-        self._thread.start()
+        # a daemon: it beats until the process ends
+        threading.Thread(target=self._beat, name="fsdp2-heartbeat", daemon=True).start()
 
     def _beat(self) -> None:
         key = f"{PREFIX}{self.rank}"
-        while not self._stop.is_set():
+        while True:
             try:
                 self.store.add(key, 1)
             except Exception:  # the store is gone: the caller finds out at its next collective
                 return
-            self._stop.wait(self.interval)
-
-    def stop(self) -> None:
-        self._stop.set()
+            time.sleep(self.interval)
 
     def lost_ranks(self) -> Optional[list[int]]:
         """The other ranks whose heartbeat stopped; None when the store cannot be reached."""

@@ -44,11 +44,11 @@ def data_error(error: BaseException, data: Optional[str]) -> Optional[str]:
     text = first_line(error, None)
     hint = "check DATA and --source-lang/--target-lang (or --lang-pairs)"
     if isinstance(error, FileNotFoundError):
-        missing = error.filename or (text.startswith("Dataset not found") and text)
-        inside = data and error.filename and os.path.abspath(error.filename).startswith(
-            tuple(os.path.abspath(d) for d in data.split(os.pathsep)))
-        if inside or (missing and not error.filename):
-            return f"data not found: {missing}; {hint}"
+        if error.filename is None and text.startswith("Dataset not found"):
+            return f"data not found: {text}; {hint}"
+        if error.filename and data and os.path.abspath(error.filename).startswith(
+                tuple(os.path.abspath(d) for d in data.split(os.pathsep))):
+            return f"data not found: {error.filename}; {hint}"
     if "Could not infer language pair" in text:
         return f"data in {data} holds no language pair fairseq can infer: {hint}"
     return None

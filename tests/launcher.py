@@ -191,6 +191,13 @@ def run_ranks(nproc: int, args: Callable[[int], Sequence[str]], *, timeout: floa
                                     torchrun_env=torchrun_env), timeout)
 
 
+def ok(results: list[RankResult]) -> str:
+    """Assert every rank exited 0 (showing the failing rank's output); rank 0's output."""
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank} exited {r.returncode}:\n{r.output[-4000:]}"
+    return results[0].output
+
+
 def train_inner(output: str) -> list[dict]:
     """The json train_inner records fairseq printed (--log-format json)."""
     records = []

@@ -8,15 +8,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, stock_ddp
-from launcher import base_env, free_port, run_ranks, train_inner, train_summary
+from launcher import base_env, free_port, ok, run_ranks, train_inner, train_summary
 
 FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1"]
-
-
-def ok(results):
-    for r in results:
-        assert r.returncode == 0, f"rank {r.rank} exited {r.returncode}:\n{r.output[-4000:]}"
-    return results[0].output
 
 
 def series(output, key):

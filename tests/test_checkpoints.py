@@ -12,7 +12,7 @@ import torch
 import fairseq_fsdp2  # noqa: F401  (allow-lists the classes fairseq pickles for torch.load)
 
 from conftest import REPO, stock_ddp
-from launcher import base_env, run_ranks, train_inner, train_summary
+from launcher import base_env, ok, run_ranks, train_inner, train_summary
 
 FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1"]
 # no dropout: fairseq seeds dropout per update (same on every rank), so masks depend on how
@@ -20,12 +20,6 @@ FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1"]
 EXACT = ["--dropout", "0", "--max-tokens", "200", "--save-interval-updates", "2"]
 FIELDS = ("train_loss", "train_ppl", "train_gnorm", "train_num_updates")
 BIN = Path(sys.executable).parent
-
-
-def ok(results):
-    for r in results:
-        assert r.returncode == 0, f"rank {r.rank} exited {r.returncode}:\n{r.output[-4000:]}"
-    return results[0].output
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from conftest import PLUGIN
-from launcher import run_ranks, train_inner
+from launcher import ok, run_ranks, train_inner
 
 from fairseq_fsdp2 import tied_grad
 from fairseq_fsdp2.data.synthetic import write_random_corpus
@@ -43,12 +43,6 @@ def train_args(data: Path, save_dir: Path, *extra: str) -> list[str]:
             "--no-epoch-checkpoints", "--no-last-checkpoints", "--fsdp2-no-consolidate",
             "--ddp-backend", "fsdp2", "--min-params-to-wrap", "1",
             "--fsdp2-memory-breakdown", str(UPDATE), *extra]
-
-
-def ok(results) -> str:
-    for r in results:
-        assert r.returncode == 0, f"rank {r.rank} exited {r.returncode}:\n{r.output[-4000:]}"
-    return results[0].output
 
 
 @pytest.fixture(scope="module")

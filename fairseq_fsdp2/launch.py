@@ -12,6 +12,7 @@ Wraps fairseq's ``distributed_utils.call_main`` (installed by ``registration.py`
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
@@ -126,6 +127,10 @@ def prepare(cfg) -> bool:
     validate(dt, min_params_to_wrap=getattr(cfg.model, "min_params_to_wrap", 0),
              fp16=cfg.common.fp16, bf16=cfg.common.bf16,
              world_size=dt.distributed_world_size)
+    if cfg.common.amp:
+        raise OptionError("--amp cannot be combined with --ddp-backend fsdp2: use --fp16 or "
+                          "--bf16 (FSDP2 mixed precision: fp32 master weights, fp16/bf16 "
+                          "compute)")
     for flag, name in ((cfg.optimization.use_bmuf, "--use-bmuf"),
                        (dt.zero_sharding != "none", "--zero-sharding"),
                        (cfg.common.model_parallel_size > 1, "--model-parallel-size > 1")):
@@ -161,14 +166,33 @@ def _init_with_timeout(cfg) -> None:
 
 
 def _after_training(cfg) -> None:
-    """Rank 0: export the best/last checkpoints in stock fairseq format."""
-    if cfg.checkpoint.no_save or cfg.distributed_training.fsdp2_no_consolidate:
-        return
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
-    if os.path.isdir(cfg.checkpoint.save_dir):
-        for path in consolidate_at_end(cfg.checkpoint.save_dir):
-            logger.info(f"wrote consolidated checkpoint {path} (stock fairseq format)")
+    """The end of a successful run. Every rank meets once more (training and its last save are
+    done everywhere), leaves the process group and runs what would run at interpreter exit
+    (fairseq's TensorBoard writers, wandb's finish); then rank 0 alone exports checkpoint_best/
+    last in stock fairseq format, with no collective left to time out: the other ranks have
+    already gone, so a slow export of a large model cannot fail a finished run."""
+    distributed = dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+        _run_exit_handlers()
+    if rank == 0 and not cfg.checkpoint.no_save \
+            and not cfg.distributed_training.fsdp2_no_consolidate \
+            and os.path.isdir(cfg.checkpoint.save_dir):
+        try:
+            for path in consolidate_at_end(cfg.checkpoint.save_dir):
+                logger.info(f"wrote consolidated checkpoint {path} (stock fairseq format)")
+        except Exception as e:  # noqa: BLE001 - training is done; say how to export by hand
+            if os.environ.get(DEBUG_ENV) or not distributed:
+                raise
+            print(f"fairseq_fsdp2: error: training finished, but the consolidated export "
+                  f"failed: {first_line(e, 300)}; the sharded checkpoints in "
+                  f"{cfg.checkpoint.save_dir} are intact: export by hand with python -m "
+                  f"fairseq_fsdp2.consolidate CHECKPOINT OUT.pt", file=sys.stderr, flush=True)
+            _exit_cleanly(1)
+    if distributed:
+        _exit_cleanly()
 
 
 def _under_slurm() -> bool:
@@ -201,10 +225,20 @@ def _remove_if_created_empty(save_dir: str, existed: bool) -> None:
             pass  # another rank removed it first
 
 
-def _exit_cleanly() -> None:
-    dist.barrier()
-    dist.destroy_process_group()
+def _run_exit_handlers() -> None:
+    """Run the ``atexit`` handlers now, as interpreter exit would: the process then ends with
+    ``os._exit``, which skips them (see ``_exit_cleanly``). Private API, no public equivalent:
+    CPython's ``atexit._run_exitfuncs`` calls them last-registered first, reports a failing one
+    and goes on, and empties the registry (tests/test_end_of_run.py fails if that changes)."""
+    atexit._run_exitfuncs()
+
+
+def _exit_cleanly(status: int = 0) -> None:
+    """Leave without the interpreter's own teardown: with gloo and a device mesh it aborts
+    (SIGABRT) in about half of CPU runs even after the group is destroyed (platform notes)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)

@@ -42,11 +42,15 @@ def consolidate(checkpoint: str, out: str, data: str | None = None) -> str:
     else:
         state = read_checkpoint_file(checkpoint)
         model = _fsdp2_model(checkpoint, state)
-        cfg = _stock_cfg(state.get("cfg"))
+    return _write(state, model, out)
+
+
+def _write(state: dict, model: dict, out: str) -> str:
+    """Write ``state`` with ``model`` as a stock checkpoint (atomically: .tmp, then rename)."""
     result = {k: v for k, v in state.items()
               if k not in ("fsdp2", "fsdp_metadata", "last_optimizer_state")}
     result["model"] = model
-    result["cfg"] = cfg
+    result["cfg"] = _stock_cfg(state.get("cfg"))
     tmp = out + ".tmp"
     torch.save(result, tmp)
     os.replace(tmp, out)
@@ -100,12 +104,24 @@ def _plain(value):
 
 
 def consolidate_at_end(save_dir: str) -> list[str]:
-    """After training (rank 0): export checkpoint_best/last and drop unreferenced shards."""
-    written = []
+    """After training (rank 0): export checkpoint_best/last and drop unreferenced shards.
+    At most one full copy of the model is held: when both files reference the same shards
+    (the last save was also the best) the model is read once for both, otherwise the first
+    is freed before the second is read."""
+    by_shards: dict[str, list[tuple[str, dict]]] = {}
     for name in ("checkpoint_best.pt", "checkpoint_last.pt"):
         path = os.path.join(save_dir, name)
         if os.path.isfile(path):
-            written.append(consolidate(path, path[:-3] + CONSOLIDATED_SUFFIX))
+            state = read_checkpoint_file(path)
+            info = state.get("fsdp2")
+            shards = sharded.resolve(path, info["shards"]) if isinstance(info, dict) else path
+            by_shards.setdefault(shards, []).append((path, state))
+    written = []
+    for files in by_shards.values():
+        model = _fsdp2_model(*files[0])
+        for path, state in files:
+            written.append(_write(state, model, path[:-3] + CONSOLIDATED_SUFFIX))
+        del model  # its only reference: freed before the next one is read
     sharded.remove_unreferenced(save_dir)
     return written
 

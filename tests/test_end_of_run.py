@@ -1,0 +1,143 @@
+"""The end of a successful run (``launch._after_training``): every rank meets once more, leaves
+the process group and runs the exit handlers a bare ``os._exit`` would skip (fairseq's
+TensorBoard writers, wandb); then rank 0 alone exports the consolidated checkpoints, with no
+collective left that a slow export could time out, holding at most one full copy of the model.
+
+One real 2-rank run feeds the first tests (tests/probes/end_of_run.py watches it): 20 updates,
+--tensorboard-logdir, a short --heartbeat-timeout and a consolidated export slowed down to
+outlast it. TensorBoard is test-only (requirements-dev.txt, installed by scripts/setup.sh into
+.venv/fixture-deps): fairseq looks for it when it is imported, so these ranks are fresh
+interpreters with that folder on their path.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import PLUGIN, REPO, TINY_MODEL, TRAINING
+from launcher import run_ranks, train_inner
+
+PROBES = str(REPO / "tests" / "probes")
+#: test-only packages (see requirements-dev.txt); another folder for a checkout whose .venv is
+#: shared and not its own to install into
+FIXTURE_DEPS = Path(os.environ.get("FAIRSEQ_FSDP2_FIXTURE_DEPS", Path(sys.prefix) / "fixture-deps"))
+UPDATES, LOG_EVERY = 20, 5
+#: --heartbeat-timeout: short, but long enough for two fresh interpreters to meet on a busy
+#: 2-core machine; the export is made to last longer than it
+TIMEOUT_S = 5
+
+
+@pytest.fixture(scope="module")
+def finished(corpus, tmp_path_factory):
+    if not (FIXTURE_DEPS / "tensorboard").is_dir():
+        pytest.skip(f"no tensorboard in {FIXTURE_DEPS}: run scripts/setup.sh")
+    root = tmp_path_factory.mktemp("end-of-run")
+    (root / "end").mkdir()
+    args = [corpus, "--user-dir", PLUGIN, *TINY_MODEL, *TRAINING, "--ddp-backend", "fsdp2",
+            "--num-workers", "0", "--max-update", UPDATES, "--log-interval", LOG_EVERY,
+            "--save-dir", root / "ckpt", "--no-epoch-checkpoints",
+            "--tensorboard-logdir", root / "tb", "--heartbeat-timeout", TIMEOUT_S]
+    env = {"PYTHONPATH": os.pathsep.join([PROBES, str(FIXTURE_DEPS),
+                                          os.environ.get("PYTHONPATH", "")]),
+           "END_DIR": str(root / "end"), "SLOW_EXPORT_S": str(TIMEOUT_S + 1)}
+    results = run_ranks(2, lambda r: args, module="end_of_run", env=env, timeout=180,
+                        fresh_interpreter=True)  # fairseq looks for tensorboard at import
+    return root, results
+
+
+def test_successful_ranks_exit_0_after_running_their_exit_handlers(finished):
+    root, results = finished
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank}:\n{r.output[-4000:]}"
+        assert (root / "end" / f"atexit-rank{r.rank}").is_file(), f"rank {r.rank}'s atexit"
+
+
+def test_tensorboard_events_hold_the_memory_peak_of_every_log_interval(finished):
+    root, results = finished
+    printed = {int(r["num_updates"]): float(r["mem_peak_gb_max"])
+               for r in train_inner(results[0].output)}
+    assert sorted(printed) == list(range(LOG_EVERY, UPDATES + 1, LOG_EVERY))
+    sys.path.insert(0, str(FIXTURE_DEPS))
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    finally:
+        sys.path.remove(str(FIXTURE_DEPS))
+    events = EventAccumulator(str(root / "tb" / "train_inner"))
+    events.Reload()
+    logged = {e.step: e.value for e in events.Scalars("mem_peak_gb_max")}
+    assert sorted(logged) == sorted(printed)
+    for step, value in printed.items():
+        # tensorboard stores float32: 3-decimal values of about 1 GB are off by < 1e-7
+        assert abs(logged[step] - value) < 1e-6, (step, logged[step], value)
+
+
+def test_other_ranks_leave_while_rank_0_exports_longer_than_the_timeout(finished):
+    root, results = finished
+    seen = json.loads((root / "end" / "export.json").read_text())
+    assert seen["peers_ended"], seen  # rank 1 had exited 0 before the export read anything
+    assert seen["waited_s"] > TIMEOUT_S, seen
+    assert [r.returncode for r in results] == [0, 0]
+    state = torch.load(root / "ckpt" / "checkpoint_last_consolidated.pt", weights_only=True)
+    assert state["optimizer_history"][-1]["num_updates"] == UPDATES
+    assert "last_optimizer_state" not in state and torch.is_tensor(
+        state["model"]["decoder.output_projection.weight"])
+
+
+def test_exit_handlers_run_as_the_plugin_relies_on():
+    """launch._run_exit_handlers calls CPython's private ``atexit._run_exitfuncs`` (no public
+    way exists): last registered first, a failing handler reported and skipped, and the
+    registry emptied, so nothing runs twice. Fails here first if Python changes that."""
+    code = ("import atexit\n"
+            "atexit.register(print, 'first registered')\n"
+            "atexit.register(lambda: 1 / 0)\n"
+            "atexit.register(print, 'last registered')\n"
+            "atexit._run_exitfuncs()\n"
+            "print('again')\n"
+            "atexit._run_exitfuncs()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "last registered\nfirst registered\nagain\n"
+    assert "ZeroDivisionError" in proc.stderr
+
+
+def test_the_export_holds_one_full_copy_at_a_time(finished, tmp_path, monkeypatch):
+    from fairseq_fsdp2.checkpoint import consolidate, sharded
+
+    root, _ = finished
+    last = torch.load(root / "ckpt" / "checkpoint_last.pt", weights_only=True)
+    reads, alive = [], []
+    real = consolidate._fsdp2_model
+
+    def watched(*args):
+        reads.append(sum(ref() is not None for ref in alive))  # copies held as a read starts
+        model = real(*args)
+        alive.extend(weakref.ref(t) for t in model.values())
+        return model
+    monkeypatch.setattr(consolidate, "_fsdp2_model", watched)
+
+    for case in ("same shards", "other shards"):
+        save = tmp_path / case.replace(" ", "-")
+        shutil.copytree(root / "ckpt", save)
+        for name in os.listdir(save):
+            if name.endswith("_consolidated.pt"):
+                os.remove(save / name)
+        best = dict(last)
+        if case == "other shards":  # the best checkpoint was an earlier save
+            best["fsdp2"] = {**last["fsdp2"], "shards": last["fsdp2"]["shards"] + "-best"}
+            shutil.copytree(save / last["fsdp2"]["shards"], save / best["fsdp2"]["shards"])
+        torch.save(best, save / "checkpoint_best.pt")
+        reads.clear()
+        written = consolidate.consolidate_at_end(str(save))
+        assert [os.path.basename(p) for p in written] == ["checkpoint_best_consolidated.pt",
+                                                          "checkpoint_last_consolidated.pt"]
+        assert reads == ([0] if case == "same shards" else [0, 0]), case
+        a, b = (torch.load(p, weights_only=True)["model"] for p in written)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert len(sharded.referenced_dirs(str(save))) == (1 if case == "same shards" else 2)

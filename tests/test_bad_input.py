@@ -78,6 +78,9 @@ CATALOGUE = {
          "--fsdp2-reshard-degree and --no-reshard-after-forward conflict: choose one")],
     "`--fp16` with `--bf16`": [
         (1, ["--fp16", "--bf16"], "--fp16 and --bf16 are mutually exclusive: choose one")],
+    "`--amp`": [
+        (1, ["--amp"], "--amp cannot be combined with --ddp-backend fsdp2: use --fp16 or --bf16 "
+                       "(FSDP2 mixed precision: fp32 master weights, fp16/bf16 compute)")],
     "`--tpu`, `--use-bmuf`, `--zero-sharding os`, `--model-parallel-size 2` with fsdp2": [
         (1, [flag, *value], f"{name} cannot be combined with --ddp-backend fsdp2")
         for flag, value, name in [("--tpu", [], "--tpu"), ("--use-bmuf", [], "--use-bmuf"),

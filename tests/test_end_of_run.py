@@ -121,6 +121,13 @@ def test_the_export_holds_one_full_copy_at_a_time(finished, tmp_path, monkeypatc
         alive.extend(weakref.ref(t) for t in model.values())
         return model
     monkeypatch.setattr(consolidate, "_fsdp2_model", watched)
+    requested = []
+    real_load = consolidate.dcp.load
+
+    def load(state_dict, **kwargs):
+        requested.append(set(state_dict["model"]))
+        return real_load(state_dict, **kwargs)
+    monkeypatch.setattr(consolidate.dcp, "load", load)
 
     for case in ("same shards", "other shards"):
         save = tmp_path / case.replace(" ", "-")
@@ -134,10 +141,15 @@ def test_the_export_holds_one_full_copy_at_a_time(finished, tmp_path, monkeypatc
             shutil.copytree(save / last["fsdp2"]["shards"], save / best["fsdp2"]["shards"])
         torch.save(best, save / "checkpoint_best.pt")
         reads.clear()
+        requested.clear()
         written = consolidate.consolidate_at_end(str(save))
         assert [os.path.basename(p) for p in written] == ["checkpoint_best_consolidated.pt",
                                                           "checkpoint_last_consolidated.pt"]
         assert reads == ([0] if case == "same shards" else [0, 0]), case
+        # the shards hold the tied embedding under all 3 names; it is read once
+        aliases = last["fsdp2"]["aliases"]
+        assert set(aliases) == {"decoder.embed_tokens.weight", "decoder.output_projection.weight"}
+        assert all(keys.isdisjoint(aliases) for keys in requested) and requested
         a, b = (torch.load(p, weights_only=True)["model"] for p in written)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         assert len(sharded.referenced_dirs(str(save))) == (1 if case == "same shards" else 2)

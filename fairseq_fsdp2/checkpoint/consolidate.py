@@ -63,8 +63,11 @@ def _fsdp2_model(checkpoint: str, state: dict) -> dict:
         raise CheckpointError(f"{checkpoint} is not a sharded FSDP2 checkpoint")
     shard_dir = sharded.resolve(checkpoint, info["shards"])
     metadata = sharded.read_metadata(shard_dir, checkpoint)
+    # a tied weight is read once, under its canonical name: the shards may hold it under every
+    # alias (NLLB: 3 x vocab x dim), and reading each would hold that many copies
     model = {key[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype)
-             for key, md in metadata.state_dict_metadata.items() if key.startswith("model.")}
+             for key, md in metadata.state_dict_metadata.items()
+             if key.startswith("model.") and key[len("model."):] not in info["aliases"]}
     dcp.load({"model": model}, checkpoint_id=shard_dir, no_dist=True)
     for alias, canonical in info["aliases"].items():
         model[alias] = model[canonical]

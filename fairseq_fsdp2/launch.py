@@ -7,8 +7,9 @@ Wraps fairseq's ``distributed_utils.call_main`` (installed by ``registration.py`
 - gloo on CPU, NCCL on CUDA;
 - bad options stop here with one line and exit status 2, before any work;
 - a successful distributed run exits 0: torch's gloo/device-mesh teardown aborts at interpreter
-  exit in about half of CPU runs, so after a clean finish the process group is destroyed and the
-  process ends with ``os._exit(0)``.
+  exit in about half of CPU runs, so after a clean finish the process group is destroyed, the
+  ``atexit`` handlers are run here, and the process ends with ``os._exit(0)``; rank 0 writes the
+  consolidated export after the other ranks have gone.
 """
 from __future__ import annotations
 

@@ -192,7 +192,8 @@ def _sigterm_message(rank: int, save_dir: Optional[str], updates: Optional[int])
         who = (f"stopped by torchrun (SIGTERM) {where}: a worker failed or the job was "
                f"stopped; torchrun's error report names the failed rank")
     elif "SLURM_JOB_ID" in os.environ:
-        who = f"stopped by SLURM (SIGTERM) {where}: the job was cancelled, timed out or a task failed"
+        who = (f"stopped by SLURM (SIGTERM) {where}: the job was cancelled or timed out, or a "
+               f"task failed")
     else:
         who = f"stopped by the launcher (SIGTERM) {where}"
     attempt, max_restarts = restart_count()

@@ -28,26 +28,36 @@ def check_shared(save_dir: str) -> None:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     rank = dist.get_rank()
-    token = [secrets.token_hex(8) if rank == 0 else None]
-    dist.broadcast_object_list(token, src=0)
-    path = os.path.join(save_dir, MARKER + token[0])
+    sent = [None, None]  # rank 0: the token, and why it could not write it
     if rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        with open(path, "w") as f:
-            f.write(token[0])
-    dist.barrier()
+        sent[0] = secrets.token_hex(8)
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            with open(os.path.join(save_dir, MARKER + sent[0]), "w") as f:
+                f.write(sent[0])
+        except OSError as e:
+            sent[1] = str(e)
+    dist.broadcast_object_list(sent, src=0)
+    token, write_error = sent
+    if write_error:
+        raise OptionError(f"--save-dir cannot be written on rank 0: {write_error}")
+    path = os.path.join(save_dir, MARKER + token)
     views = [None] * dist.get_world_size()
-    dist.all_gather_object(views, (_sees(path, token[0]), socket.gethostname()))
+    dist.all_gather_object(views, (_sees(path, token), socket.gethostname(),
+                                   os.path.abspath(save_dir)))
     if rank == 0:
         os.remove(path)  # every rank has looked: the gather above waited for all
-    blind = [(r, host) for r, (seen, host) in enumerate(views) if not seen]
+    blind = [r for r, (seen, _, _) in enumerate(views) if not seen]
     if blind:
-        who = ", ".join(f"rank {r} (host {host})" for r, host in blind)
+        _, host0, dir0 = views[0]
+        who = ", ".join(f"rank {r} (host {views[r][1]}, {views[r][2]})" for r in blind[:3])
+        if len(blind) > 3:
+            who += f" and {len(blind) - 3} more"
         raise OptionError(
-            f"--save-dir {save_dir} is not the same directory on every rank: {who} cannot see "
-            f"the file rank 0 (host {views[0][1]}) wrote there; on several nodes --save-dir "
-            f"must be a directory all nodes share (every rank writes shards there and reads "
-            f"the checkpoint)")
+            f"--save-dir is not the same directory on every rank: {who} cannot see the file "
+            f"rank 0 (host {host0}) wrote in {dir0}; on several nodes --save-dir must be a "
+            f"directory all nodes share (every rank writes shards there and reads the "
+            f"checkpoint)")
 
 
 def _sees(path: str, token: str) -> bool:

@@ -154,9 +154,10 @@ def _on_sigterm(cfg) -> None:
     save_dir = None if cfg.checkpoint.no_save else cfg.checkpoint.save_dir
     attempt, max_restarts = launchers.restart_count()
     if attempt and os.environ.get("LOCAL_RANK") == "0":
+        then = (f"resuming from the newest complete checkpoint in {save_dir}" if save_dir
+                else "starting again (--no-save)")
         logger.warning(f"torchrun restart {attempt} of {max_restarts} "
-                       f"(TORCHELASTIC_RESTART_COUNT={attempt}): resuming from the newest "
-                       f"complete checkpoint in {save_dir}")
+                       f"(TORCHELASTIC_RESTART_COUNT={attempt}): {then}")
     beat = liveness.current
     launchers.stop_on_sigterm(
         cfg.distributed_training.distributed_rank, save_dir,
@@ -165,8 +166,8 @@ def _on_sigterm(cfg) -> None:
 
 def _init_process_group(cfg) -> None:
     """Open the process group here (fairseq then finds it initialized and uses it):
-    - under torchrun's agent, always, the bare way (launchers.init_under_torchrun: what makes
-      ``--max-restarts`` work);
+    - under torchrun's agent, always, each restart's rendezvous apart from the others'
+      (launchers.init_under_torchrun: what makes ``--max-restarts`` work);
     - with fairseq's ``--heartbeat-timeout N``, with an N-second timeout (fairseq's own init uses
       torch's 30 minutes, and a rank whose peer died before the rendezvous would wait that
       long)."""
@@ -188,10 +189,11 @@ def _init_process_group(cfg) -> None:
                                     world_size=dt.distributed_world_size,
                                     rank=dt.distributed_rank, timeout=timeout)
     except dist.DistError as e:
+        within = f" within --heartbeat-timeout {dt.heartbeat_timeout} s" if timeout else ""
         raise RankLostError(
             f"rank {dt.distributed_rank} could not meet the other ranks at "
-            f"{dt.distributed_init_method} within --heartbeat-timeout {dt.heartbeat_timeout} s "
-            f"(a rank died or never started): {first_line(e)}") from e
+            f"{dt.distributed_init_method}{within} (a rank died or never started): "
+            f"{first_line(e)}") from e
     # fairseq's distributed_init then warns that the group exists: expected here
     warnings.filterwarnings("ignore", message="Distributed is already initialized")
 

@@ -3,7 +3,8 @@
 Wraps fairseq's ``distributed_utils.call_main`` (installed by ``registration.py``):
 - ``--ddp-backend fully_sharded`` (legacy, fairscale) is served by FSDP2;
 - under torchrun (``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` set) no other distributed flag is needed;
-  SLURM launches go through fairseq's own detection; a plain single process gets a 1-rank group;
+  under SLURM the settings come from SLURM's environment; a plain single process gets a 1-rank
+  group; ranks a task starts itself run this path too (launchers.py);
 - gloo on CPU, NCCL on CUDA;
 - bad options stop here with one line and exit status 2, before any work;
 - a successful distributed run exits 0: torch's gloo/device-mesh teardown aborts at interpreter
@@ -23,9 +24,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from fairseq.distributed import utils as fairseq_distributed_utils
 from omegaconf import open_dict
 
-from . import liveness, meta_init, preflight
+from . import launchers, liveness, meta_init, preflight
 from .checkpoint.consolidate import consolidate_at_end
 from .errors import FSDP2Error, OptionError, RankLostError, TrainingStopped, first_line
 from .options import FSDP2_BACKEND, LEGACY_FSDP_BACKEND, validate
@@ -42,6 +44,9 @@ def call_main(fairseq_call_main, cfg, main, **kwargs):
     is_fsdp2 = False
     try:
         is_fsdp2 = prepare(cfg)
+        if is_fsdp2 and not cfg.distributed_training.distributed_no_spawn:
+            launchers.spawn(cfg, main, kwargs)  # each rank it starts runs this function
+            return
         fairseq_call_main(cfg, main, **kwargs)
         if is_fsdp2:
             _after_training(cfg)
@@ -107,6 +112,7 @@ def prepare(cfg) -> bool:
         cfg.common.tpu = False
         dt.tpu = False
     with open_dict(dt):
+        on_cuda = torch.cuda.is_available() and not cfg.common.cpu
         if dt.distributed_init_method is None:
             if all(k in os.environ for k in TORCHRUN_ENV):
                 dt.distributed_init_method = "env://"
@@ -114,17 +120,21 @@ def prepare(cfg) -> bool:
                 dt.distributed_rank = int(os.environ["RANK"])
                 dt.device_id = int(os.environ.get("LOCAL_RANK", 0))
                 dt.distributed_no_spawn = True
-            elif dt.distributed_world_size <= 1 and not _under_slurm():
+            elif launchers.under_slurm():
+                launchers.slurm_settings(dt, on_cuda)
+            if dt.distributed_init_method is None and dt.distributed_world_size <= 1:
                 # one process: FSDP2 still needs a process group (a 1-rank mesh)
                 dt.distributed_init_method = f"tcp://127.0.0.1:{_free_port()}"
                 dt.distributed_world_size = 1
                 dt.distributed_rank = 0
                 dt.distributed_no_spawn = True
-        on_cuda = torch.cuda.is_available() and not cfg.common.cpu
         if not on_cuda and dt.distributed_backend == "nccl":
             dt.distributed_backend = "gloo"
-    preflight.check_launch(cfg, launched_per_rank=dt.distributed_no_spawn or _under_slurm(),
-                           on_cuda=on_cuda)
+    preflight.check_launch(cfg, launched_per_rank=dt.distributed_no_spawn
+                           or launchers.under_slurm(), on_cuda=on_cuda)
+    if dt.distributed_init_method is None and dt.distributed_world_size > 1:
+        # several GPUs, one process: fairseq's own single-node settings; spawn() starts the ranks
+        fairseq_distributed_utils.infer_init_method(dt)
     validate(dt, min_params_to_wrap=getattr(cfg.model, "min_params_to_wrap", 0),
              fp16=cfg.common.fp16, bf16=cfg.common.bf16,
              world_size=dt.distributed_world_size)
@@ -138,30 +148,58 @@ def prepare(cfg) -> bool:
         if flag:
             raise OptionError(f"{name} cannot be combined with --ddp-backend fsdp2")
     meta_init.enable(meta_init.weights_will_be_loaded(cfg))
-    _init_with_timeout(cfg)
+    if dt.distributed_no_spawn:  # a rank (not a task that starts ranks)
+        _init_process_group(cfg)
+        _on_sigterm(cfg)
     return True
 
 
-def _init_with_timeout(cfg) -> None:
-    """With fairseq's ``--heartbeat-timeout N``, start the process group here with an N-second
-    timeout (fairseq's own init uses torch's 30 minutes, and a rank whose peer died before the
-    rendezvous would wait that long). fairseq then finds the group initialized and uses it."""
+def _on_sigterm(cfg) -> None:
+    """One line when the launcher stops this rank (launchers.stop_on_sigterm); under torchrun,
+    say which attempt this is."""
+    save_dir = None if cfg.checkpoint.no_save else cfg.checkpoint.save_dir
+    attempt, max_restarts = launchers.restart_count()
+    if attempt and os.environ.get("LOCAL_RANK") == "0":
+        then = (f"resuming from the newest complete checkpoint in {save_dir}" if save_dir
+                else "starting again (--no-save)")
+        logger.warning(f"torchrun restart {attempt} of {max_restarts} "
+                       f"(TORCHELASTIC_RESTART_COUNT={attempt}): {then}")
+    beat = liveness.current
+    launchers.stop_on_sigterm(
+        cfg.distributed_training.distributed_rank, save_dir,
+        lambda: None if beat() is None else beat().num_updates)
+
+
+def _init_process_group(cfg) -> None:
+    """Open the process group here (fairseq then finds it initialized and uses it):
+    - under torchrun's agent, always, each restart's rendezvous apart from the others'
+      (launchers.init_under_torchrun: what makes ``--max-restarts`` work);
+    - with fairseq's ``--heartbeat-timeout N``, with an N-second timeout (fairseq's own init uses
+      torch's 30 minutes, and a rank whose peer died before the rendezvous would wait that
+      long)."""
     dt = cfg.distributed_training
-    if dt.heartbeat_timeout <= 0 or not dt.distributed_no_spawn or dist.is_initialized() \
-            or dt.distributed_init_method is None:
+    if not dt.distributed_no_spawn or dist.is_initialized() or dt.distributed_init_method is None:
+        return
+    timeout = timedelta(seconds=dt.heartbeat_timeout) if dt.heartbeat_timeout > 0 else None
+    agent = launchers.under_torchrun_agent() and dt.distributed_init_method == "env://"
+    if timeout is None and not agent:
         return
     if dt.distributed_backend == "nccl":
         torch.cuda.set_device(dt.device_id)
     try:
-        dist.init_process_group(backend=dt.distributed_backend,
-                                init_method=dt.distributed_init_method,
-                                world_size=dt.distributed_world_size, rank=dt.distributed_rank,
-                                timeout=timedelta(seconds=dt.heartbeat_timeout))
+        if agent:
+            launchers.init_under_torchrun(dt.distributed_backend, timeout)
+        else:
+            dist.init_process_group(backend=dt.distributed_backend,
+                                    init_method=dt.distributed_init_method,
+                                    world_size=dt.distributed_world_size,
+                                    rank=dt.distributed_rank, timeout=timeout)
     except dist.DistError as e:
+        within = f" within --heartbeat-timeout {dt.heartbeat_timeout} s" if timeout else ""
         raise RankLostError(
             f"rank {dt.distributed_rank} could not meet the other ranks at "
-            f"{dt.distributed_init_method} within --heartbeat-timeout {dt.heartbeat_timeout} s "
-            f"(a rank died or never started): {first_line(e)}") from e
+            f"{dt.distributed_init_method}{within} (a rank died or never started): "
+            f"{first_line(e)}") from e
     # fairseq's distributed_init then warns that the group exists: expected here
     warnings.filterwarnings("ignore", message="Distributed is already initialized")
 
@@ -194,10 +232,6 @@ def _after_training(cfg) -> None:
             _exit_cleanly(1)
     if distributed:
         _exit_cleanly()
-
-
-def _under_slurm() -> bool:
-    return "SLURM_STEP_NODELIST" in os.environ or "SLURM_JOB_NODELIST" in os.environ
 
 
 def _free_port() -> int:

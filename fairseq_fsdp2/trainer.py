@@ -25,6 +25,7 @@ from . import liveness, meta_init, precision, tied_grad
 from .apply import apply_plan, build_mesh
 from .checkpoint import sharded
 from .checkpoint.safe_load import read_checkpoint_file
+from .checkpoint.shared_dir import check_shared
 from .checkpoint.full_state import broadcast_full_model, install_optimizer_hooks
 from .errors import CheckpointError, OutOfMemory, SaveFailed, first_line
 from .memory import MemoryMonitor
@@ -251,6 +252,8 @@ class FSDP2Trainer(Trainer):
     def load_checkpoint(self, filename, reset_optimizer=False, reset_lr_scheduler=False,
                         optimizer_overrides=None, reset_meters=False):
         info = None
+        if not self.cfg.checkpoint.no_save:  # fairseq calls this once, at start, on every rank
+            check_shared(self.cfg.checkpoint.save_dir)  # before anything is read or written
         filename = self._newest_complete(filename)
         if not os.path.isfile(filename) and \
                 self.cfg.checkpoint.restore_file != sharded.DEFAULT_RESTORE_FILE:

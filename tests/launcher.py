@@ -144,16 +144,17 @@ def fork_server() -> ForkServer:
 
 
 def start_ranks(nproc: int, args: Callable[[int], Sequence[str]], *,
-                module: str = "fairseq_cli.train", env: Optional[dict] = None,
+                module: str = "fairseq_cli.train",
+                env: Optional[dict | Callable[[int], dict]] = None,
                 fresh_interpreter: bool = False, torchrun_env: bool = True) -> list:
     """Start ``python -m module args(rank)`` on nproc ranks (torchrun's environment, unless
     torchrun_env is False: plain processes): forked from the pre-imported server, or as fresh
-    interpreters."""
+    interpreters. ``env``: extra variables, or a function of the rank giving them."""
     port = free_port()
     logs = tempfile.mkdtemp(prefix="ranks-")
     procs = []
     for rank in range(nproc):
-        e = base_env(env)
+        e = base_env(env(rank) if callable(env) else env)
         if torchrun_env:
             e.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                       "WORLD_SIZE": str(nproc), "RANK": str(rank), "LOCAL_RANK": str(rank),
@@ -183,7 +184,8 @@ def finish_ranks(procs: list, timeout: float = 240) -> list[RankResult]:
 
 
 def run_ranks(nproc: int, args: Callable[[int], Sequence[str]], *, timeout: float = 240,
-              module: str = "fairseq_cli.train", env: Optional[dict] = None,
+              module: str = "fairseq_cli.train",
+              env: Optional[dict | Callable[[int], dict]] = None,
               fresh_interpreter: bool = False, torchrun_env: bool = True) -> list[RankResult]:
     """Run ``python -m module args(rank)`` on nproc ranks; kill all of them after timeout."""
     return finish_ranks(start_ranks(nproc, args, module=module, env=env,

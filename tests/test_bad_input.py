@@ -124,6 +124,9 @@ CATALOGUE = {
         (1, ["--restore-file", "{good}", "--encoder-ffn-embed-dim", "48"],
          "{good} does not fit this model: encoder.layers.0.fc1.bias checkpoint (64,) vs "
          "model (48,)")],
+    "a `--save-dir` the ranks do not share (each node its own directory)": [
+        (2, ["--save-dir", "{save}-rank{{rank}}"],  # as two nodes with local directories
+         "--save-dir is not the same directory on every rank: rank 1 (host ")],
 }
 
 
@@ -140,10 +143,10 @@ CASES = [(row, i, *case, *([] if len(case) == 4 else ["fairseq_cli.train"]))
                               for row, i, *_ in CASES])
 def test_bad_input_stops_with_one_line_and_writes_nothing(files, tmp_path, monkeypatch, row, i,
                                                           ranks, flags, message, module):
-    fill = {k: str(v) for k, v in files.items()}
+    save = tmp_path / "ckpt"
+    fill = {"save": str(save), **{k: str(v) for k, v in files.items()}}
     flags = [f.format(**fill) for f in flags]
     message = message.format(**fill)
-    save = tmp_path / "ckpt"
     before = {p: p.read_bytes() for p in files.values() if p.is_file()}
     args = [files["corpus"], "--user-dir", PLUGIN, *TINY_MODEL, *TRAINING, *FSDP2,
             "--max-update", "2", "--save-dir", save, *flags]
@@ -152,12 +155,14 @@ def test_bad_input_stops_with_one_line_and_writes_nothing(files, tmp_path, monke
         args = ["--config-dir", REPO / "configs", "--config-name", "nllb_tiny_demo",
                 f"task.data={files['corpus']}", f"checkpoint.save_dir={save}",
                 "common.cpu=true", *flags]
-    results = run_ranks(max(ranks, 1), lambda r: args, module=module,
-                        env={"PYTHONPATH": PROBES}, timeout=120, torchrun_env=ranks > 0)
+    results = run_ranks(max(ranks, 1),
+                        lambda r: [str(a).replace("{rank}", str(r)) for a in args],  # per rank
+                        module=module, env={"PYTHONPATH": PROBES}, timeout=120,
+                        torchrun_env=ranks > 0)
     for r in results:
         errors = [l for l in r.output.splitlines() if l.startswith("fairseq_fsdp2: error:")]
         assert r.returncode == 2 and len(errors) == 1, f"rank {r.rank}:\n{r.output[-3000:]}"
         assert message in errors[0], errors[0]
         assert "Traceback" not in r.output and "begin training" not in r.output
-    assert not save.exists()
+    assert not list(tmp_path.glob("ckpt*"))
     assert before == {p: p.read_bytes() for p in before}

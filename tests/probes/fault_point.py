@@ -14,14 +14,17 @@ when a machine dies). Phases:
 - ``disk-full``: from that update on, files larger than 128 KiB cannot be written (EFBIG: what
   a full disk does to the next large write).
 With ``all``, the ranks write their pids to ``FAULT_DIR`` and the first rank to reach the point
-kills every rank.
+kills every rank. Under torchrun's agent the fault strikes in the first attempt only (a restarted
+attempt runs clean). A kill prints ``FAULT_KILL <time>`` (seconds since the epoch) first.
 """
 import os
 import resource
 import shutil
 import signal
 import sys
+import time
 
+import fairseq_cli.train  # first, as fairseq-train: it configures logging before other imports
 import torch
 
 LIMIT = 128 * 1024  # disk-full: larger files fail (a rank's shards are larger; logs are not)
@@ -29,14 +32,15 @@ phase, update, who = os.environ["FAULT"].split(":")
 update = int(update)
 rank = int(os.environ["RANK"])
 fault_dir = os.environ.get("FAULT_DIR")
-mine = who == "all" or int(who) == rank
+mine = (who == "all" or int(who) == rank) and os.environ.get("TORCHELASTIC_RESTART_COUNT",
+                                                             "0") == "0"
 if who == "all":
     with open(os.path.join(fault_dir, f"pid{rank}"), "w") as f:
         f.write(str(os.getpid()))
 
 
 def die() -> None:
-    sys.stdout.flush()
+    print(f"FAULT_KILL {time.time():.3f}", flush=True)
     if who == "all":
         for name in os.listdir(fault_dir):
             pid = int(open(os.path.join(fault_dir, name)).read())
@@ -126,5 +130,4 @@ def arm(model, optimizer) -> None:
 install()
 
 if __name__ == "__main__":
-    from fairseq_cli.train import cli_main
-    cli_main()
+    fairseq_cli.train.cli_main()

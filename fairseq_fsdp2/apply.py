@@ -1,12 +1,14 @@
 """Turn a ShardingPlan into ``fully_shard`` calls on a device mesh."""
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
+                                    fully_shard)
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .plan import ShardingPlan
@@ -47,3 +49,31 @@ def _shard_full_tensors(module, state_dict, prefix, *_):
         if isinstance(target, DTensor) and not isinstance(value, DTensor):
             state_dict[key] = distribute_tensor(value.to(target.device, target.dtype), target.device_mesh,
                                                 target.placements, src_data_rank=None)
+
+
+@contextlib.contextmanager
+def all_unsharded(model: nn.Module):
+    """Every unit's parameters gathered for the duration, with no collective inside: for
+    validation that generates (``--eval-bleu``), where each rank decodes its own sentences for
+    its own number of steps and the per-forward all-gathers of different ranks would pair up
+    wrongly and hang. Public API to gather (``unshard``, ``set_reshard_after_forward``); the
+    units' own reshard settings are restored from FSDP2's private state (marked; a torch that
+    renames it fails here at the first such validation, not silently)."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    saved = []
+    for unit in units:
+        state = unit._get_fsdp_state()  # private: no public getter of the setting
+        saved.append((state, state._auto_reshard_after_forward,
+                      [g.post_forward_mesh_info for g in state._fsdp_param_groups]))
+        unit.set_reshard_after_forward(False, recurse=False)
+    for unit in units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for state, auto, infos in saved:
+            state._auto_reshard_after_forward = auto
+            for group, info in zip(state._fsdp_param_groups, infos):
+                group.post_forward_mesh_info = info
+        for unit in units:
+            unit.reshard()

@@ -147,6 +147,10 @@ def prepare(cfg) -> bool:
                        (cfg.common.model_parallel_size > 1, "--model-parallel-size > 1")):
         if flag:
             raise OptionError(f"{name} cannot be combined with --ddp-backend fsdp2")
+    if cfg.ema.store_ema:
+        raise OptionError("--store-ema cannot be combined with --ddp-backend fsdp2: fairseq's "
+                          "EMA copies the model and saves the copy from rank 0 alone, which "
+                          "holds only its own shards under FSDP2")
     meta_init.enable(meta_init.weights_will_be_loaded(cfg))
     if dt.distributed_no_spawn:  # a rank (not a task that starts ranks)
         _init_process_group(cfg)

@@ -21,10 +21,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from . import liveness, meta_init, precision, tied_grad
-from .apply import apply_plan, build_mesh
+from . import liveness, meta_init, precision, resume, tied_grad
+from .apply import all_unsharded, apply_plan, build_mesh
 from .checkpoint import sharded
-from .checkpoint.safe_load import read_checkpoint_file
+from .checkpoint.safe_load import python_numbers, read_checkpoint_file
 from .checkpoint.shared_dir import check_shared
 from .checkpoint.full_state import broadcast_full_model, install_optimizer_hooks
 from .errors import CheckpointError, OutOfMemory, SaveFailed, first_line
@@ -143,7 +143,10 @@ class FSDP2Trainer(Trainer):
 
     def valid_step(self, sample, raise_oom=False):
         self._check_weights()
-        return super().valid_step(sample, raise_oom)
+        # --eval-bleu generates: ranks decode for different numbers of steps (apply.py)
+        generates = getattr(self.cfg.task, "eval_bleu", False)
+        with all_unsharded(self.model) if generates else contextlib.nullcontext():
+            return super().valid_step(sample, raise_oom)
 
     def train_step(self, samples, raise_oom=False):
         self._check_weights()
@@ -190,6 +193,14 @@ class FSDP2Trainer(Trainer):
             metrics.log_stop_time("train_wall")
         return None
 
+    # -- data ----------------------------------------------------------------------------------
+    def get_train_iterator(self, epoch, combine=True, load_dataset=True, data_selector=None,
+                           shard_batch_itr=True, disable_iterator_cache=False):
+        # a resumed run batches the data as the uninterrupted run did (resume.py)
+        with resume.batches_as_first_built(self.task, self.cfg, epoch, disable_iterator_cache):
+            return super().get_train_iterator(epoch, combine, load_dataset, data_selector,
+                                              shard_batch_itr, disable_iterator_cache)
+
     # -- checkpoints ---------------------------------------------------------------------------
     # fairseq's own save/load code runs unchanged; the model and optimizer entries of its
     # checkpoint file (written by rank 0) reference a DCP shard directory
@@ -219,8 +230,9 @@ class FSDP2Trainer(Trainer):
                                         save_dir, self.get_num_updates())
 
     def save_checkpoint(self, filename, extra_state):
+        resume.save_patience(self.cfg, extra_state)
         with self._save_errors_reported():
-            super().save_checkpoint(filename, extra_state)
+            super().save_checkpoint(filename, python_numbers(extra_state))
 
     @contextlib.contextmanager
     def _save_errors_reported(self):
@@ -247,7 +259,7 @@ class FSDP2Trainer(Trainer):
             state["last_optimizer_state"] = {sharded.SHARDED: rel,
                                              **({"loss_scale": scale} if scale else {})}
         state["fsdp2"] = sharded.header(self.model, rel, self.data_parallel_world_size)
-        return state
+        return python_numbers(state)  # fairseq keeps e.g. the best BLEU as a numpy scalar
 
     def load_checkpoint(self, filename, reset_optimizer=False, reset_lr_scheduler=False,
                         optimizer_overrides=None, reset_meters=False):
@@ -281,7 +293,10 @@ class FSDP2Trainer(Trainer):
             self._loading_from = None
         self._weights_loaded = self._weights_loaded or os.path.isfile(filename)
         if info is not None and extra_state is not None:
-            self._rescale_iterator_position(extra_state, info["world_size"])
+            resume.rescale_iterator_position(extra_state, info["world_size"],
+                                             self.data_parallel_world_size)
+        if extra_state is not None and not (reset_optimizer or reset_meters):
+            resume.restore_patience(extra_state)  # as fairseq restores the best score
         return extra_state
 
     def _newest_complete(self, filename: str) -> str:
@@ -319,21 +334,6 @@ class FSDP2Trainer(Trainer):
                     "; peak while building the model: " + ", ".join(
                         f"{r['startup_gb']:.3f}" for r in ranks))
         return None
-
-    def _rescale_iterator_position(self, extra_state, saved_world: int) -> None:
-        """The saved position counts batches per rank; keep the same global position."""
-        now = self.data_parallel_world_size
-        itr = extra_state.get("train_iterator") or {}
-        done = itr.get("iterations_in_epoch", 0) * saved_world
-        if saved_world == now or not done:
-            return
-        if done % now:
-            raise CheckpointError(
-                f"cannot resume mid-epoch at {now} ranks: the checkpoint (saved at "
-                f"{saved_world} ranks) is {done} batches into the epoch, not a multiple of {now}")
-        itr["iterations_in_epoch"] = done // now
-        logger.info(f"resuming a {saved_world}-rank checkpoint on {now} ranks: "
-                    f"{done} batches into epoch {itr.get('epoch')}")
 
     def _load_sharded_model(self, module, state_dict, prefix, *_):
         if prefix or sharded.SHARDED not in state_dict:

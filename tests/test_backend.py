@@ -90,10 +90,18 @@ def test_legacy_nllb_flags_run_on_fsdp2(train_args):
 
 def test_root_reshard_setting_takes_effect(corpus):
     """After forward, the root and shared-embedding parameters stay gathered by default and
-    are resharded with --fsdp2-root-reshard always; layer units reshard in both."""
+    are resharded with --fsdp2-root-reshard always; layer units reshard in both. Inside
+    apply.all_unsharded (validation generating for --eval-bleu) every unit stays gathered, and
+    the settings hold again after it."""
     out = ok(run_ranks(2, lambda r: [str(corpus)], module="reshard_probe",
                        env={"PYTHONPATH": str(REPO / "tests" / "probes")}))
     report = json.loads(next(l for l in out.splitlines() if l.startswith("PROBE "))[6:])
+    # while validation generates (--eval-bleu) everything stays gathered, whatever number of
+    # forwards each rank runs; afterwards each unit's own setting holds again
+    for setting in report.values():
+        assert setting.pop("generating") == {"root": "gathered", "layer": "gathered"}
+    assert report["default"].pop("after") == {"root": "gathered", "layer": "resharded"}
+    assert report["always"].pop("after") == {"root": "resharded", "layer": "resharded"}
     assert report["default"] == {"root": "gathered", "shared": "gathered",
                                  "layer": "resharded"}
     assert report["always"] == {"root": "resharded", "shared": "resharded",

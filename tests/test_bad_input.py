@@ -86,6 +86,10 @@ CATALOGUE = {
         for flag, value, name in [("--tpu", [], "--tpu"), ("--use-bmuf", [], "--use-bmuf"),
                                   ("--zero-sharding", ["os"], "--zero-sharding"),
                                   ("--model-parallel-size", ["2"], "--model-parallel-size > 1")]],
+    "`--store-ema` (fairseq's EMA) with fsdp2": [
+        (1, ["--store-ema"], "--store-ema cannot be combined with --ddp-backend fsdp2: "
+                             "fairseq's EMA copies the model and saves the copy from rank 0 "
+                             "alone")],
     "`--distributed-world-size 2` in one process (no torchrun) on CPU": [
         (0, ["--distributed-world-size", "2"], "--distributed-world-size 2 needs one process per "
                                                 "rank and there is CPU (--cpu or no GPU): start "

@@ -12,6 +12,7 @@ import os
 import re
 import typing
 
+import numpy as np
 import torch
 
 from ..errors import CheckpointError, first_line
@@ -28,13 +29,44 @@ FAIRSEQ_CHECKPOINT_GLOBALS = [
     nodes.AnyNode, nodes.StringNode, nodes.IntegerNode, nodes.FloatNode, nodes.BooleanNode,
 ]
 
+#: What numpy values need: fairseq keeps the best validation score (e.g. BLEU from sacrebleu) and
+#: some meters as numpy scalars or arrays. A scalar pickles as ``scalar(dtype, bytes)``, an array
+#: as ``_reconstruct(ndarray, ...)`` plus its dtype; each dtype is an instance of its own class
+#: (``numpy.dtypes.Float64DType``), which must be allowed too. Only the numeric and bool dtypes:
+#: never object, string or void arrays. Files written with numpy 1.x name the module
+#: ``numpy.core.multiarray`` (numpy 2 renamed it ``numpy._core.multiarray``): both are allowed.
+NUMERIC_DTYPE_CODES = "?bBhHiIlLqQefdgFDG"
+_multiarray = np._core.multiarray  # noqa: SLF001 - where numpy's own pickles point
+NUMPY_CHECKPOINT_GLOBALS = [
+    np.ndarray, np.dtype, _multiarray.scalar, _multiarray._reconstruct,
+    (_multiarray.scalar, "numpy.core.multiarray.scalar"),
+    (_multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
+    *sorted({type(np.dtype(code)) for code in NUMERIC_DTYPE_CODES}, key=str),
+]
+
 
 #: Opt-in for files you trust that pickle other classes: their paths, separated by ':'.
 TRUSTED_ENV = "FAIRSEQ_FSDP2_TRUSTED_CHECKPOINTS"
 
 
 def allow_fairseq_checkpoint_classes() -> None:
-    torch.serialization.add_safe_globals(FAIRSEQ_CHECKPOINT_GLOBALS)
+    torch.serialization.add_safe_globals(FAIRSEQ_CHECKPOINT_GLOBALS + NUMPY_CHECKPOINT_GLOBALS)
+
+
+def python_numbers(value):
+    """``value`` with every numpy scalar turned into its Python number and every numpy array
+    into a tensor, in nested dicts, lists and tuples: what the plugin writes holds no numpy."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    if isinstance(value, dict):
+        out = value.copy()  # keeps the dict's class (OrderedDict, defaultdict)
+        out.update((k, python_numbers(v)) for k, v in value.items())
+        return out
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(python_numbers(v) for v in value)
+    return value
 
 
 def trusted(path: str) -> bool:
@@ -71,7 +103,8 @@ def read_checkpoint_file(path: str, mmap: bool = True) -> dict:
             state = torch.load(path, map_location="cpu", weights_only=True)  # pre-zip format
     except Exception as e:  # noqa: BLE001 - truncated, corrupt, unsafe, or not a checkpoint
         text = str(e)
-        unsafe = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+        unsafe = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text) or re.search(
+            r"allowlisted via `add_safe_globals`, but got <class '([\w.]+)'>", text)
         if unsafe:
             raise CheckpointError(
                 f"cannot read checkpoint {path}: it pickles {unsafe.group(1)}, which is not "

@@ -1,6 +1,8 @@
 """Run under tests/launcher.run_ranks: shard a tiny fairseq transformer with each root-reshard
 setting, run one forward, and report whether the root's and the shared embedding's parameters
-are still gathered (plain tensors) or resharded (DTensors) before backward.
+are still gathered (plain tensors) or resharded (DTensors) before backward; then, inside
+``apply.all_unsharded`` (validation that generates), a different number of forwards per rank,
+and one more forward after it.
 
 argv: DATA_DIR. Prints one JSON line on rank 0: {setting: {"root": ..., "shared": ...}}.
 """
@@ -14,7 +16,7 @@ from fairseq import options, tasks
 from torch.distributed.tensor import DTensor
 
 import fairseq_fsdp2  # noqa: F401  (registration)
-from fairseq_fsdp2.apply import apply_plan, build_mesh
+from fairseq_fsdp2.apply import all_unsharded, apply_plan, build_mesh
 from fairseq_fsdp2.plan import build_plan
 
 
@@ -47,6 +49,16 @@ def main():
         report[setting] = {"root": state(model.encoder.layer_norm.weight),
                            "shared": state(model.encoder.embed_tokens.weight),
                            "layer": state(model.encoder.layers[0].fc1.weight)}
+        out.float().sum().backward()
+        # as --eval-bleu's generation: each rank runs its own number of forwards (no hang)
+        with torch.no_grad(), all_unsharded(model):
+            for _ in range(1 + 2 * dist.get_rank()):
+                model(src[:1], torch.full((1,), 7), src[:1])
+            report[setting]["generating"] = {"root": state(model.encoder.layer_norm.weight),
+                                             "layer": state(model.encoder.layers[0].fc1.weight)}
+        out, _ = model(src, torch.full((2,), 7), src)  # the settings are back
+        report[setting]["after"] = {"root": state(model.encoder.layer_norm.weight),
+                                    "layer": state(model.encoder.layers[0].fc1.weight)}
         out.float().sum().backward()
     if dist.get_rank() == 0:
         print("PROBE " + json.dumps(report), flush=True)

@@ -1,0 +1,478 @@
+"""fairseq's training features under FSDP2, exactly as under stock legacy_ddp: the compatibility
+matrix of the README ("fairseq features under FSDP2"), whose rows name the tests below.
+
+Features that do not interfere share a scenario: one command line, run once with the plugin's
+``--ddp-backend fsdp2`` (2 ranks) and once with stock fairseq's own 2-rank ``legacy_ddp``
+(module-scoped fixtures). Each feature's test then checks its part of those runs: per-update
+loss and gnorm, validation figures, which files were kept, where training stopped, exit 0.
+Stateful features are also killed (SIGKILL, every rank, tests/probes/fault_point.py) and rerun
+with the same command; every update the rerun makes equals the uninterrupted fsdp2 run's.
+
+Tolerances: fsdp2 vs legacy_ddp reduce gradients in another order (reduce-scatter of shards vs
+all-reduce of buckets), so their float32 sums differ in the last bits; after a few Adam updates
+that is far below 1e-4 relative (tests/test_backend.py uses the same bound), while any feature
+acting differently (another batch, another lr, a skipped update) moves the loss by >1e-3. The
+same run resumed at the same world size computes the same sums in the same order: its printed
+values are compared as exact strings. Resumed at another world size (2 ranks -> 1 rank x
+update-freq 2), the two micro-batches' gradients are summed in the backward instead of over the
+ranks (same terms, 1 ulp apart at most): 1e-4 relative again, and only without dropout, because
+fairseq seeds dropout per update, not per micro-batch (the same mask stream on every rank).
+"""
+from __future__ import annotations
+
+import json
+import re
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import PLUGIN, REPO, TINY_MODEL, TRAINING, stock_ddp
+from launcher import finish_ranks, ok, run_ranks, start_ranks
+
+from fairseq_fsdp2.data import numbers
+from fairseq_fsdp2.data.prepare import prepare
+
+PROBES = str(REPO / "tests" / "probes")
+FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", "--num-workers", "0"]
+REL = 1e-4  # fsdp2 vs legacy_ddp, or another world size (module docstring)
+
+
+def flags_without(flags: list, *names: str, valued: tuple = ("--max-tokens", "--log-format")):
+    """``flags`` without the named options (and their values)."""
+    out, skip = [], False
+    for f in flags:
+        if skip:
+            skip = False
+            continue
+        if f in names:
+            skip = f in valued
+            continue
+        out.append(f)
+    return out
+
+
+BASE = flags_without(TRAINING, "--max-tokens", "--log-format", "--disable-validation")
+
+
+# --- reading fairseq's logs ----------------------------------------------------------------------
+
+def updates(output: str) -> dict[int, tuple[str, str]]:
+    """update -> (loss, gnorm) as printed, from --log-format json or simple."""
+    found = {}
+    for line in output.splitlines():
+        if "| train_inner | " not in line:
+            continue
+        record = line.split("| train_inner | ", 1)[1]
+        if record.startswith("{"):
+            fields = json.loads(record)
+        else:  # simple: "epoch 001:      3 / 8 loss=7.9, nll_loss=7.8, ..., num_updates=3"
+            fields = dict(kv.split("=", 1) for kv in record.split(" / ", 1)[1].split(" ", 1)[1]
+                          .split(", "))
+        found[int(fields["num_updates"])] = (fields["loss"], fields["gnorm"])
+    return found
+
+
+def summary(output: str, tag: str = "train") -> dict[str, str]:
+    """The last end-of-epoch summary: json, or ' | '-separated 'key value' (simple, tqdm)."""
+    found = {}
+    for line in output.splitlines():
+        if f"| {tag} | " in line:
+            record = line.split(f"| {tag} | ", 1)[1]
+            found = json.loads(record) if record.startswith("{") else {
+                f"{tag}_{k}": v for k, v in (p.split(" ", 1) for p in record.split(" | ")[1:])}
+    return found
+
+
+def valid_records(output: str) -> list[dict]:
+    """fairseq's validation summaries (json), in order."""
+    return [json.loads(line.split("| valid | ", 1)[1]) for line in output.splitlines()
+            if "| valid | " in line]
+
+
+def assert_same_training(ours: dict, stock: dict, rel: float = REL) -> None:
+    assert ours and sorted(ours) == sorted(stock), (sorted(ours), sorted(stock))
+    for n in stock:
+        for got, want in zip(ours[n], stock[n]):
+            assert abs(float(got) - float(want)) <= rel * abs(float(want)), (n, ours[n], stock[n])
+
+
+def checkpoint_files(save_dir: Path) -> set[str]:
+    return {p.name for p in save_dir.glob("checkpoint*.pt") if "consolidated" not in p.name}
+
+
+class Scenario:
+    """One command line, run under fsdp2 and under stock legacy_ddp (2 ranks each)."""
+
+    def __init__(self, root: Path, args, name: str):
+        self.root, self.args, self.name = root, args, name
+        self.fsdp2 = self.run("fsdp2")
+        self.stock = self.run("stock")
+
+    def save_dir(self, label: str) -> Path:
+        return self.root / f"{self.name}-{label}"
+
+    def run(self, label: str, *extra, ranks: int = 2, fault: str | None = None,
+            backend: str | None = None, without: tuple = ()) -> str | list:
+        """Run the scenario (``label`` names its save dir) with ``extra`` flags and ``without``
+        some of its own; a run with a fault returns the results of the killed ranks, a normal
+        run rank 0's output (every rank exited 0)."""
+        backend = backend or ("stock" if label.startswith("stock") else "fsdp2")
+        save = self.save_dir(label)
+
+        def argv(rank):
+            chosen = stock_ddp(rank, ranks) if backend == "stock" else FSDP2
+            own = flags_without([str(a) for a in self.args(save)], *without)
+            return [*own, *chosen, *map(str, extra)]
+        if fault is None:
+            output = ok(run_ranks(ranks, argv, timeout=300))
+            (self.root / f"{label}.log").write_text(output)  # kept for a failing test's reader
+            return output
+        pids = self.root / f"pids-{label}-{fault.replace(':', '-')}"
+        pids.mkdir()
+        results = finish_ranks(start_ranks(ranks, argv, module="fault_point", env={
+            "PYTHONPATH": PROBES, "FAULT": fault, "FAULT_DIR": str(pids)}), 300)
+        assert all(r.returncode != 0 for r in results), results[0].output[-3000:]
+        return results
+
+
+def resumed_at(output: str) -> int:
+    found = re.search(r"Loaded checkpoint .* \(epoch \d+ @ (\d+) updates\)", output)
+    return int(found.group(1)) if found else 0
+
+
+def assert_resumed_exactly(made: dict, uninterrupted: dict, first: int) -> None:
+    assert made and min(made) == first, (sorted(made), first)
+    for n, value in made.items():
+        assert value == uninterrupted[n], f"update {n}: {value} != {uninterrupted[n]}"
+
+
+# --- scenario "epochs": --batch-size, --update-freq per epoch, --max-epoch, saves -----------------
+# 2000 sentences in batches of 128: 16 batches, 8 per rank; --update-freq 1,2: updates 1-8 in
+# epoch 1, 9-12 in epoch 2, 13-16 in epoch 3. Saves every 3 updates and at every epoch end.
+# Dropout 0.1 (conftest's model): the kill-and-rerun chain is exact with dropout on.
+EPOCHS = ["--batch-size", "128", "--update-freq", "1,2", "--max-epoch", "3",
+          "--save-interval-updates", "3", "--keep-interval-updates", "2",
+          "--log-format", "simple", "--empty-cache-freq", "2", "--disable-validation",
+          "--max-update", "1000"]
+
+
+def tiny_model_scenario(corpus, tmp_path_factory, name: str, flags: list) -> Scenario:
+    def args(save):
+        return [corpus, "--user-dir", PLUGIN, *TINY_MODEL, *BASE, *flags, "--save-dir", save]
+    return Scenario(tmp_path_factory.mktemp(name), args, name)
+
+
+@pytest.fixture(scope="module")
+def epochs(corpus, tmp_path_factory):
+    return tiny_model_scenario(corpus, tmp_path_factory, "epochs", EPOCHS)
+
+
+def test_batch_size_update_freq_per_epoch_and_max_epoch_as_stock(epochs):
+    ours, stock = updates(epochs.fsdp2), updates(epochs.stock)
+    assert sorted(ours) == list(range(1, 17))  # 8 + 4 + 4: the update-freq of each epoch
+    assert_same_training(ours, stock)
+    for out in (epochs.fsdp2, epochs.stock):
+        assert "end of epoch 3 (average epoch stats below)" in out
+        assert "end of epoch 4" not in out
+
+
+def test_keep_interval_updates_keeps_the_same_files_as_stock(epochs):
+    kept = checkpoint_files(epochs.save_dir("fsdp2"))
+    assert kept == checkpoint_files(epochs.save_dir("stock"))
+    assert {"checkpoint_3_15.pt", "checkpoint_2_9.pt"} <= kept  # the 2 newest interval saves
+    assert "checkpoint_1_6.pt" not in kept and "checkpoint3.pt" in kept
+
+
+def test_log_format_simple_and_empty_cache_freq_run_as_stock(epochs):
+    # the simple format's per-update lines carry what the json lines carry (parsed above)
+    assert len(updates(epochs.fsdp2)) == 16 and '| train_inner | {"' not in epochs.fsdp2
+
+
+@pytest.fixture(scope="module")
+def epochs_killed(epochs):
+    """The same command killed at chosen points, each followed by a rerun, on one save dir:
+    - update 8 (the last update of epoch 1, before its end-of-epoch save): resumes at 6, in
+      the middle of epoch 1, and crosses into epoch 2;
+    - update 9 (right after the epoch-end save of update 8): resumes at the start of epoch 2;
+    - update 14 (epoch 3): resumes from update 12, the last update of epoch 2, saved at its end;
+    then the rerun finishes."""
+    runs = []
+    for fault in ("forward:8:all", "forward:9:all", "forward:14:all", None):
+        result = epochs.run("killed", fault=fault)
+        runs.append((fault, result if fault is None else result[0].output))
+    return runs
+
+
+def test_resume_is_exact_mid_epoch_at_epoch_end_and_after_the_last_update(epochs,
+                                                                          epochs_killed):
+    """fairseq resumed at an epoch end regroups sentences into other batches (platform notes);
+    the plugin builds the iterator as the uninterrupted run did (resume.py)."""
+    uninterrupted = updates(epochs.fsdp2)
+    expect_start = {"forward:8:all": 1, "forward:9:all": 7, "forward:14:all": 9, None: 13}
+    for fault, output in epochs_killed:
+        made = updates(output)
+        assert resumed_at(output) == expect_start[fault] - 1, (fault, output[-2000:])
+        assert_resumed_exactly(made, uninterrupted, expect_start[fault])
+    assert max(updates(epochs_killed[-1][1])) == 16
+
+
+# --- scenario "validation": --eval-bleu, best checkpoint by bleu, patience --------------------------
+VALIDATION = ["--max-tokens", "1000", "--dropout", "0", "--log-format", "json",
+              "--eval-bleu", "--eval-bleu-args", '{"beam": 1, "max_len_b": 20}',
+              "--eval-bleu-detok", "space", "--eval-bleu-remove-bpe",
+              "--best-checkpoint-metric", "bleu", "--maximize-best-checkpoint-metric",
+              "--validate-interval-updates", "4", "--save-interval-updates", "4",
+              "--keep-best-checkpoints", "2", "--patience", "2", "--max-update", "1000"]
+
+
+@pytest.fixture(scope="module")
+def validation(corpus, tmp_path_factory):
+    return tiny_model_scenario(corpus, tmp_path_factory, "validation", VALIDATION)
+
+
+def test_eval_bleu_validation_figures_as_stock(validation):
+    ours, stock = valid_records(validation.fsdp2), valid_records(validation.stock)
+    assert len(ours) == len(stock) >= 3
+    for a, b in zip(ours, stock):
+        assert a["valid_num_updates"] == b["valid_num_updates"], (a, b)
+        assert a["valid_bleu"] == b["valid_bleu"], (a, b)
+        assert abs(float(a["valid_loss"]) - float(b["valid_loss"])) <= \
+            REL * float(b["valid_loss"]), (a, b)
+    assert_same_training(updates(validation.fsdp2), updates(validation.stock))
+
+
+def test_patience_stops_at_the_same_update_as_stock(validation):
+    stop = "early stop since valid performance hasn't improved for last 2 runs"
+    assert stop in validation.fsdp2 and stop in validation.stock
+    assert max(updates(validation.fsdp2)) == max(updates(validation.stock))
+
+
+def pickled(path: Path) -> bytes:
+    """The pickle inside a torch.save zip file (the names of every class it references)."""
+    with zipfile.ZipFile(path) as z:
+        return z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+
+
+def test_best_checkpoints_by_bleu_are_the_same_files_and_hold_no_numpy(validation):
+    """--best-checkpoint-metric bleu --maximize-best-checkpoint-metric --keep-best-checkpoints
+    2: the same files as stock; fairseq pickles the BLEU meters' numpy arrays, the plugin
+    writes tensors and Python floats."""
+    kept = checkpoint_files(validation.save_dir("fsdp2"))
+    assert kept == checkpoint_files(validation.save_dir("stock"))
+    assert len([k for k in kept if k.startswith("checkpoint.best_bleu_")]) == 2
+    ours = validation.save_dir("fsdp2") / "checkpoint_best.pt"
+    stock = validation.save_dir("stock") / "checkpoint_best.pt"
+    assert torch.load(ours, weights_only=True)["extra_state"]["best"] == \
+        torch.load(stock, weights_only=True)["extra_state"]["best"]
+    assert b"numpy" in pickled(stock)
+    assert b"numpy" not in pickled(ours)
+
+
+VALID_FIELDS = ("valid_num_updates", "valid_loss", "valid_bleu", "valid_best_bleu")
+
+
+@pytest.fixture(scope="module")
+def validation_killed(validation):
+    """Killed in the first update after the epoch-end save (every rank), then rerun."""
+    epoch_end = torch.load(validation.save_dir("fsdp2") / "checkpoint1.pt", weights_only=True)
+    end = epoch_end["optimizer_history"][-1]["num_updates"]
+    validation.run("killed", fault=f"forward:{end + 1}:all")
+    return end, validation.run("killed")
+
+
+def test_best_score_and_patience_count_survive_a_kill(validation, validation_killed):
+    """The rerun resumes at the epoch end with fairseq's best BLEU and the plugin's saved
+    patience count: the uninterrupted run's updates and validation figures, and it stops where
+    that run stopped (stock fairseq restarts the patience count on resume and stops later)."""
+    end, out = validation_killed
+    assert resumed_at(out) == end
+    assert_resumed_exactly(updates(out), updates(validation.fsdp2), end + 1)
+    after = [{k: r.get(k) for k in VALID_FIELDS} for r in valid_records(out)]
+    whole = [{k: r.get(k) for k in VALID_FIELDS} for r in valid_records(validation.fsdp2)]
+    assert after and after == whole[-len(after):]
+    assert "early stop" in out and max(updates(out)) == max(updates(validation.fsdp2))
+
+
+# --- loading stock checkpoints that hold numpy ----------------------------------------------------
+
+def test_numpy_in_stock_checkpoints_loads_and_other_classes_are_refused(validation, tmp_path):
+    from fairseq_fsdp2.checkpoint.safe_load import read_checkpoint_file
+    from fairseq_fsdp2.errors import CheckpointError
+    stock = validation.save_dir("stock") / "checkpoint_best.pt"
+    assert b"numpy._core.multiarray\n_reconstruct" in pickled(stock)
+    assert read_checkpoint_file(str(stock))["extra_state"]["best"] > -1
+    # arrays too, and files written under numpy 1.x (module numpy.core.multiarray)
+    import numpy as np
+    legacy = tmp_path / "numpy1.pt"
+    torch.save({"model": {}, "a": np.arange(3.0), "s": np.int64(2)}, legacy,
+               _use_new_zipfile_serialization=False)
+    legacy.write_bytes(legacy.read_bytes().replace(b"numpy._core.multiarray",
+                                                   b"numpy.core.multiarray"))
+    state = read_checkpoint_file(str(legacy))
+    assert state["a"].tolist() == [0.0, 1.0, 2.0] and state["s"] == 2
+    # never arbitrary code: an object array, or any other class, is refused with its name
+    for value, name in ((np.array([{"x": 1}], dtype=object), "numpy.dtypes.ObjectDType"),
+                        (np.array(["a"]), "numpy.dtypes.StrDType"),
+                        (Path("x"), "pathlib.")):
+        path = tmp_path / "other.pt"
+        torch.save({"model": {}, "v": value}, path)
+        with pytest.raises(CheckpointError, match=f"it pickles {re.escape(name)}"):
+            read_checkpoint_file(str(path))
+
+
+@pytest.fixture(scope="module")
+def from_stock(validation):
+    """Both backends start from stock fairseq's checkpoint_best.pt of the validation scenario
+    (trained with --eval-bleu: numpy inside), a few updates each:
+    - ``finetune``: --finetune-from-model (fresh optimizer, lr scheduler, meters, data);
+    - ``restore``: --restore-file with --reset-lr-scheduler --reset-meters --reset-dataloader
+      and --optimizer-overrides (the stock optimizer state is resharded into FSDP2's). The
+      override is Adam's eps, raised enough to shrink the updates visibly: an lr override
+      would be replaced by the lr scheduler's value at every update, in both backends."""
+    best = validation.save_dir("stock") / "checkpoint_best.pt"
+    trained = torch.load(best, weights_only=True)["optimizer_history"][-1]["num_updates"]
+    runs = {}
+    for kind, extra, first in (
+            ("finetune", ["--finetune-from-model", best, "--max-update", 3,
+                          "--log-format", "tqdm"], 1),  # tqdm: without --no-progress-bar
+            ("restore", ["--restore-file", best, "--reset-lr-scheduler", "--reset-meters",
+                         "--reset-dataloader", "--optimizer-overrides", "{'eps': 0.1}",
+                         "--max-update", trained + 3], trained + 1)):
+        for backend in ("fsdp2", "stock"):
+            runs[kind, backend] = validation.run(f"{kind}-{backend}", *extra, "--no-save",
+                                                 "--disable-validation", backend=backend,
+                                                 without=("--no-progress-bar",))
+        runs[kind, "first"] = first
+    return runs
+
+
+@pytest.mark.parametrize("kind", ["finetune", "restore"])
+def test_starting_from_a_stock_eval_bleu_checkpoint_as_stock(from_stock, kind):
+    """--finetune-from-model, or --restore-file with the stock optimizer state resharded and
+    --reset-lr-scheduler --reset-meters --reset-dataloader --optimizer-overrides, from a stock
+    checkpoint holding numpy: the same updates as stock fairseq from the same file."""
+    ours, stock = from_stock[kind, "fsdp2"], from_stock[kind, "stock"]
+    first = from_stock[kind, "first"]
+    if kind == "finetune":  # --log-format tqdm: no per-update lines; the epoch's averages
+        a, b = summary(ours), summary(stock)
+        assert a["train_num_updates"] == b["train_num_updates"] == "3", (a, b)
+        assert_same_training({0: (a["train_loss"], a["train_gnorm"])},
+                             {0: (b["train_loss"], b["train_gnorm"])})
+        return
+    assert sorted(updates(ours)) == [first, first + 1, first + 2]
+    assert_same_training(updates(ours), updates(stock))
+
+
+# --- resuming at another world size ----------------------------------------------------------------
+
+def test_resume_at_epoch_end_on_one_rank_with_double_update_freq(validation):
+    """The validation scenario (no dropout) resumed from its first epoch-end checkpoint on 1 rank
+    x update-freq 2: the same global batches, so the same updates (module docstring)."""
+    uninterrupted = updates(validation.fsdp2)
+    save = validation.save_dir("fsdp2")
+    epoch_end = torch.load(save / "checkpoint1.pt", weights_only=True)
+    start = epoch_end["optimizer_history"][-1]["num_updates"]
+    assert epoch_end["extra_state"]["train_iterator"]["iterations_in_epoch"] == 0
+    out = validation.run("one-rank", "--restore-file", save / "checkpoint1.pt",
+                         "--update-freq", 2, "--max-update", start + 3, "--disable-validation",
+                         "--no-save", ranks=1, backend="fsdp2")
+    made = updates(out)
+    assert sorted(made) == [start + 1, start + 2, start + 3]
+    assert_same_training(made, {n: uninterrupted[n] for n in made})
+
+
+# --- the NLLB task: translation_multi_simple_epoch, temperature sampling, virtual epochs -------------
+PAIRS = [("eng_Latn", "fra_Latn"), ("eng_Latn", "deu_Latn")]
+
+
+@pytest.fixture(scope="module")
+def multilingual(tmp_path_factory):
+    """Two pairs of the numbers corpus (300 sentences each); virtual epochs of 300 sampled
+    sentences (about 4 updates at 2 ranks); a save every 3 updates, so update 6 is mid virtual
+    epoch 2."""
+    root = tmp_path_factory.mktemp("multilingual")
+    numbers.write_corpus(root / "raw", PAIRS, n_train=300, n_valid=10, n_test=10, seed=2)
+    data = prepare(root / "raw", root / "data", vocab_size=120, log=lambda *a: None)
+
+    def args(save):
+        return [data, "--user-dir", PLUGIN, "--task", "translation_multi_simple_epoch",
+                "--arch", "transformer_nllb_tiny", "--lang-pairs",
+                ",".join(f"{s}-{t}" for s, t in PAIRS),
+                "--langs", (data / "langs.txt").read_text().strip(),
+                "--encoder-langtok", "src", "--decoder-langtok", "--lang-tok-style",
+                "multilingual", "--sampling-method", "temperature", "--sampling-temperature", 5,
+                "--virtual-epoch-size", 300, "--dropout", 0, *BASE, "--max-tokens", 600,
+                "--log-format", "json", "--disable-validation", "--max-update", 10,
+                "--save-interval-updates", 3, "--save-dir", save]
+    return Scenario(root, args, "multilingual")
+
+
+def test_multilingual_temperature_sampling_virtual_epochs_as_stock(multilingual):
+    ours = updates(multilingual.fsdp2)
+    assert sorted(ours) == list(range(1, 11))
+    assert_same_training(ours, updates(multilingual.stock))
+    assert "begin training epoch 2" in multilingual.fsdp2  # more than one virtual epoch
+
+
+def mid_virtual_epoch(save: Path) -> tuple[Path, int]:
+    """The newest save inside a virtual epoch after the first, and its update."""
+    found = []
+    for path in save.glob("checkpoint_*_*.pt"):
+        state = torch.load(path, weights_only=True)
+        if state["extra_state"]["train_iterator"]["iterations_in_epoch"] > 0 and \
+                state["extra_state"]["train_iterator"]["epoch"] >= 2:
+            found.append((state["optimizer_history"][-1]["num_updates"], path))
+    assert found, sorted(p.name for p in save.iterdir())
+    update, path = max(found)
+    return path, update
+
+
+@pytest.mark.parametrize("ranks", [2, 1])
+def test_multilingual_resumed_mid_virtual_epoch(multilingual, ranks):
+    """Resumed (--restore-file, the file a kill after that save leaves) in the middle of a
+    later virtual epoch: the sampled, re-batched epoch continues where it stood."""
+    uninterrupted = updates(multilingual.fsdp2)
+    path, start = mid_virtual_epoch(multilingual.save_dir("fsdp2"))
+    out = multilingual.run(f"resumed{ranks}", "--restore-file", path,
+                           "--update-freq", 3 - ranks, ranks=ranks, backend="fsdp2")
+    made = updates(out)
+    assert sorted(made) == list(range(start + 1, 11))
+    if ranks == 2:
+        assert_resumed_exactly(made, uninterrupted, start + 1)
+    else:
+        assert_same_training(made, {n: uninterrupted[n] for n in made})
+
+
+# --- features refused ------------------------------------------------------------------------------
+# --store-ema: tests/test_bad_input.py (README "Errors").
+
+
+# --- the README table ------------------------------------------------------------------------------
+
+def readme_matrix() -> list[tuple[str, str, str]]:
+    """(feature, status, tests) rows of the README's "fairseq features under FSDP2" table."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("\n## fairseq features under FSDP2\n", 1)[1]
+    table = section[section.index("\n| "):].split("\n\n", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ")][2:]
+    return [tuple(cell.strip() for cell in row.strip("|").split(" | ")) for row in rows]
+
+
+def test_readme_matrix_names_existing_tests_and_every_test_has_a_row():
+    rows = readme_matrix()
+    assert rows, "README has no fairseq features table"
+    named = set()
+    for feature, status, tests in rows:
+        for ref in re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", tests):
+            path, name = ref
+            assert re.search(rf"^def {name}\(", (REPO / path).read_text(), re.M), \
+                f"README row {feature!r} names {path}::{name}, which does not exist"
+            named.add((path, name))
+        assert re.search(r"`tests/", tests), f"README row {feature!r} names no test"
+    here = Path(__file__).read_text()
+    mine = set(re.findall(r"^def (test_\w+)\(", here, re.M))
+    mine.discard("test_readme_matrix_names_existing_tests_and_every_test_has_a_row")
+    missing = mine - {name for path, name in named if path == "tests/test_fairseq_compat.py"}
+    assert not missing, f"tests with no README row: {sorted(missing)}"

@@ -4,6 +4,8 @@ Wraps fairseq's ``distributed_utils.call_main`` (installed by ``registration.py`
 - ``--ddp-backend fully_sharded`` (legacy, fairscale) is served by FSDP2;
 - under torchrun (``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` set) no other distributed flag is needed;
   SLURM launches go through fairseq's own detection; a plain single process gets a 1-rank group;
+  where fairseq would spawn one process per GPU itself, the plugin spawns them (spawn.py) and
+  each runs this launch path;
 - gloo on CPU, NCCL on CUDA;
 - bad options stop here with one line and exit status 2, before any work;
 - a successful distributed run exits 0: torch's gloo/device-mesh teardown aborts at interpreter
@@ -23,7 +25,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import open_dict
 
-from . import liveness, meta_init, preflight
+from . import liveness, meta_init, preflight, spawn
 from .checkpoint.consolidate import consolidate_at_end
 from .errors import FSDP2Error, OptionError, RankLostError, TrainingStopped, first_line
 from .options import FSDP2_BACKEND, LEGACY_FSDP_BACKEND, validate
@@ -40,6 +42,11 @@ def call_main(fairseq_call_main, cfg, main, **kwargs):
     is_fsdp2 = False
     try:
         is_fsdp2 = prepare(cfg)
+        if is_fsdp2 and spawn.fairseq_would_spawn(cfg):
+            # fairseq would spawn one worker per GPU past this wrapper: spawn them here, each
+            # through this function again (spawn.py)
+            spawn.run(cfg, main, kwargs, spawn.processes_per_node(cfg))
+            return
         fairseq_call_main(cfg, main, **kwargs)
         if is_fsdp2:
             _after_training(cfg)

@@ -65,8 +65,8 @@ class GlobalGradNorm:
 
     def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
         norm = clip_grad_norm_(self.params, max_norm)
-        # the norm is already global; an aggregate (fairseq's all-reduce for its own FSDP)
-        # would count it once per rank
+        # already global: fairseq's aggregate for its own FSDP (an all-reduce of the squared
+        # norm) would sum it over the ranks once more, so it is not applied
         return norm
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -75,12 +75,18 @@ def built_on_meta(model: nn.Module) -> bool:
     return getattr(model, "fsdp2_built_on_meta", False)
 
 
-def materialize(model: nn.Module, device: torch.device) -> None:
-    """After sharding: allocate this rank's shards (uninitialised: the load fills them) and
-    recompute the non-persistent buffers."""
-    model.to_empty(device=device)
+def materialize(model: nn.Module, device: torch.device,
+                params_device: Optional[torch.device] = None) -> None:
+    """After sharding: allocate this rank's shards (uninitialised: the load fills them) on
+    ``params_device`` (default ``device``; the CPU with --cpu-offload) and the buffers on the
+    compute ``device``, where FSDP2 keeps them too, and recompute the non-persistent buffers."""
+    model.to_empty(device=params_device or device)
     with torch.no_grad():
         for module in model.modules():
+            if params_device is not None and params_device != device:
+                for name, buffer in module._buffers.items():
+                    if buffer is not None:
+                        module._buffers[name] = torch.empty_like(buffer, device=device)
             recipe = RECIPES.get(type(module))
             if recipe is not None:
                 for name, value in recipe(module).items():

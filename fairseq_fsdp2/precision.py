@@ -9,12 +9,16 @@ the weights to save, as with fairseq's legacy FSDP. fp16 keeps fairseq's dynamic
 """
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
 import torch.nn as nn
 from fairseq import optim
+from omegaconf import open_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from .grad_norm import use_global_grad_norm
 
 
 def compute_dtype(common_cfg) -> Optional[torch.dtype]:
@@ -47,10 +51,22 @@ def cast_float_buffers(model: nn.Module, dtype: Optional[torch.dtype]) -> None:
 
 
 def build_optimizer(cfg, params):
-    """fairseq's optimizer over the sharded fp32 parameters; fp16 adds the loss scaler."""
+    """fairseq's optimizer over the sharded fp32 parameters; fp16 adds the loss scaler.
+
+    Two GPU-only choices of fairseq are undone for DTensor parameters: with apex installed,
+    fairseq's Adam becomes apex's FusedAdam, whose kernels take plain CUDA tensors (not
+    DTensors, not offloaded CPU shards): ``use_old_adam`` keeps fairseq's own Adam, as on
+    machines without apex. And the gradient norm is the global one over DTensor gradients
+    (grad_norm.py), whatever fairseq's helper would compute."""
+    optimizer_cfg = cfg.optimizer
+    if "use_old_adam" in optimizer_cfg:
+        optimizer_cfg = copy.deepcopy(optimizer_cfg)  # the run's saved cfg stays the user's
+        with open_dict(optimizer_cfg):
+            optimizer_cfg.use_old_adam = True
+    inner = optim.build_optimizer(optimizer_cfg, params)
+    use_global_grad_norm(inner)
     if cfg.common.fp16:
         # allow_unsupported: the parameters are fp32 master weights, so any fairseq optimizer
         # is valid under the scaler (the same choice fairseq makes for legacy FSDP + --fp16).
-        return optim.MemoryEfficientFP16Optimizer.build_optimizer(cfg, params,
-                                                                  allow_unsupported=True)
-    return optim.build_optimizer(cfg.optimizer, params)
+        return optim.MemoryEfficientFP16Optimizer(cfg, params, inner, allow_unsupported=True)
+    return inner

@@ -107,7 +107,8 @@ class FSDP2Trainer(Trainer):
         apply_plan(model, plan, mesh, mp_policy=precision.mixed_precision_policy(self.cfg.common),
                    cpu_offload=dt.cpu_offload)
         if meta_init.built_on_meta(model):
-            meta_init.materialize(model, torch.device("cpu") if dt.cpu_offload else self.device)
+            meta_init.materialize(model, self.device,
+                                  torch.device("cpu") if dt.cpu_offload else None)
         model.register_load_state_dict_pre_hook(self._load_sharded_model)
         if dt.fsdp2_no_sync_micro_batches:
             # fairseq's update-freq loop calls model.no_sync() on all but the last micro-batch
@@ -127,13 +128,15 @@ class FSDP2Trainer(Trainer):
         self._lr_scheduler.step_update(0)
 
     def clip_grad_norm(self, clip_norm):
-        # The gradients are DTensors: fairseq's norm over them is already the global norm.
+        # The norm comes from grad_norm.py (precision.build_optimizer installs it under
+        # fairseq's fp16 wrappers): the global norm over the DTensor gradients, whatever
+        # fairseq's own helper would do (apex's local norms, --cpu-offload's CPU gradients).
         try:
             norm = self.optimizer.clip_grad_norm(clip_norm)
         except OverflowError:
             self._overflowed = True
             raise
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        return norm
 
     # -- the step ------------------------------------------------------------------------------
     def _check_weights(self) -> None:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..errors import CheckpointError
+from ..grad_norm import comm_device
 
 
 def install_optimizer_hooks(torch_optimizer: torch.optim.Optimizer) -> None:
@@ -60,16 +61,18 @@ def broadcast_full_model(model: torch.nn.Module, full: Optional[dict], describe:
     dist.broadcast_object_list(problem, src=0)
     if problem[0]:
         raise CheckpointError(problem[0])
+    # Broadcast on the device the group's backend moves (NCCL: CUDA, even when --cpu-offload
+    # keeps the shards on the CPU), then copy into the shard wherever it lives.
+    device = comm_device()
     with torch.no_grad():
         for key, target in own.items():
-            local = target.to_local() if isinstance(target, DTensor) else target
             if dist.get_rank() == 0:
-                value = full[key].to(local.device, target.dtype).contiguous()
+                value = full[key].to(device, target.dtype).contiguous()
             else:
-                value = torch.empty(target.shape, dtype=target.dtype, device=local.device)
+                value = torch.empty(target.shape, dtype=target.dtype, device=device)
             dist.broadcast(value, src=0)
             if isinstance(target, DTensor):
                 value = distribute_tensor(value, target.device_mesh, target.placements,
                                           src_data_rank=None)
-            target.copy_(value)
+            target.copy_(value)  # copy_ crosses devices (an offloaded shard: to the CPU)
             del value

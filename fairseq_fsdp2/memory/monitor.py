@@ -5,7 +5,9 @@ Every rank's figures go to fairseq's metrics (``mem_peak_gb_max``, ``mem_peak_gb
 full, to ``<save-dir>/memory.jsonl`` (one JSON line per log interval).
 
 What "peak" means:
-- CUDA: the caching allocator's peak allocated bytes (and peak reserved), reset each interval.
+- CUDA: the caching allocator's peak allocated bytes (and peak reserved), reset each interval;
+  ``alloc_retries``: the allocator's retries (cudaMalloc failed, cache freed, tried again) in
+  the interval.
 - CPU: the process's peak resident set size (VmHWM), reset each interval through
   ``/proc/self/clear_refs``; where that cannot be reset, the lifetime peak (``ru_maxrss``).
   Launch with ``MALLOC_MMAP_THRESHOLD_=65536`` (the scripts do) or glibc keeps freed memory
@@ -16,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import resource
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,9 +43,24 @@ def read_peak(device: torch.device) -> dict:
     if device.type == "cuda":
         stats = torch.cuda.memory_stats(device)
         return {"peak_gb": stats.get("allocated_bytes.all.peak", 0) / GB,
-                "reserved_gb": stats.get("reserved_bytes.all.peak", 0) / GB,
-                "alloc_retries": float(stats.get("num_alloc_retries", 0))}
-    return {"peak_gb": _peak_rss_bytes() / GB, "reserved_gb": 0.0, "alloc_retries": 0.0}
+                "reserved_gb": stats.get("reserved_bytes.all.peak", 0) / GB}
+    return {"peak_gb": _peak_rss_bytes() / GB, "reserved_gb": 0.0}
+
+
+class IntervalCount:
+    """A count per interval from a cumulative counter: the CUDA allocator's
+    ``num_alloc_retries`` counts from the start of the process (``reset_peak_memory_stats``
+    leaves it alone), so one interval's count is the difference of two readings."""
+
+    def __init__(self, read: Callable[[], float]):
+        self._read = read
+        self._last = read()
+
+    def take(self) -> float:
+        """The count since the previous call (or since construction)."""
+        now = self._read()
+        count, self._last = now - self._last, now
+        return count
 
 
 def current_gb(device: torch.device) -> float:
@@ -82,6 +99,9 @@ class MemoryMonitor:
         #: this process's peak before training (runtime, data, building the model), GiB
         self.startup_peak_gb = read_peak(device)["peak_gb"]
         reset_peak(device)
+        self._retries = IntervalCount(
+            lambda: float(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+        ) if device.type == "cuda" else None
 
     def reset(self) -> None:
         reset_peak(self.device)
@@ -101,7 +121,8 @@ class MemoryMonitor:
         return [dict(zip(keys, t.cpu().tolist())) for t in out]
 
     def log(self, num_updates: int) -> list[dict]:
-        per_rank = self.gather()
+        per_rank = self.gather(
+            {"alloc_retries": self._retries.take() if self._retries is not None else 0.0})
         reset_peak(self.device)
         self.last = (num_updates, per_rank)
         peaks = [r["peak_gb"] for r in per_rank]

@@ -1,0 +1,85 @@
+"""The global gradient norm over FSDP2's sharded (DTensor) gradients, and the device a
+process group's collectives need.
+
+Why not fairseq's ``utils.clip_grad_norm_``: it only sees tensors. With apex installed (common
+in GPU images) it sums ``multi_tensor_total_norm`` over each gradient's *local* shard, i.e. this
+rank's part of the norm, not the model's; without apex, on a CUDA machine it moves every
+per-tensor norm to ``cuda.current_device()``, which mixes devices once ``--cpu-offload`` keeps
+the gradients on the CPU. Here the norm is computed with PyTorch's public
+``get_total_norm`` / ``clip_grads_with_norm_``, which understand DTensors (each rank's partial
+norm, reduced over the shard group; HSDP's replicas counted once), and the reduction runs on the
+device the group's backend moves (NCCL: CUDA), wherever the gradients live.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def comm_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """Where a tensor must be for a collective over ``group``: NCCL moves CUDA tensors only
+    (the current CUDA device, which fairseq sets per rank), gloo moves CPU tensors. A group
+    with a CPU backend besides NCCL (``cpu:gloo,cuda:nccl``) takes CPU tensors too."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "cpu:" not in backend:
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all ``grads`` taken together (the unsharded model's gradient norm), as a
+    plain fp32 scalar tensor, the same on every rank."""
+    if not grads:
+        return torch.tensor(0.0)
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False)
+    if not isinstance(norm, DTensor):
+        return norm.float()
+    # A DTensor norm holds this rank's part (a partial placement); full_tensor() reduces it
+    # over the mesh, so its local value must be on the device the mesh's backend moves.
+    local = norm.to_local()
+    device = comm_device(norm.device_mesh.get_group(0))
+    if local.device.type != device.type:
+        norm = DTensor.from_local(local.to(device), norm.device_mesh, norm.placements,
+                                  run_check=False)
+    return norm.full_tensor().float()
+
+
+def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Scale the gradients of ``params`` so that their global norm is at most ``max_norm``
+    (no clipping when ``max_norm`` <= 0); returns the norm before clipping."""
+    params = [p for p in params if p.grad is not None]
+    norm = total_norm([p.grad for p in params])
+    if max_norm > 0 and params:
+        torch.nn.utils.clip_grads_with_norm_(params, float(max_norm), norm)
+    return norm
+
+
+class GlobalGradNorm:
+    """Mixin for a fairseq optimizer (``FairseqOptimizer``): its ``clip_grad_norm`` uses
+    :func:`clip_grad_norm_` instead of fairseq's helper. fairseq's fp16 wrappers call the wrapped
+    optimizer's ``clip_grad_norm(0, ...)`` for the (scaled) norm and do their own clipping and
+    overflow check around it, so that logic stays fairseq's."""
+
+    def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
+        norm = clip_grad_norm_(self.params, max_norm)
+        # already global: fairseq's aggregate for its own FSDP (an all-reduce of the squared
+        # norm) would sum it over the ranks once more, so it is not applied
+        return norm
+
+
+_classes: dict[type, type] = {}
+
+
+def use_global_grad_norm(optimizer) -> None:
+    """Make ``optimizer`` (a FairseqOptimizer) compute the global norm over DTensor gradients:
+    its class becomes a subclass with :class:`GlobalGradNorm` first (as ``fully_shard`` changes
+    a module's class)."""
+    cls = type(optimizer)
+    if issubclass(cls, GlobalGradNorm):
+        return
+    if cls not in _classes:
+        _classes[cls] = type(f"GlobalNorm{cls.__name__}", (GlobalGradNorm, cls), {})
+    optimizer.__class__ = _classes[cls]

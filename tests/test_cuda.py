@@ -1,0 +1,359 @@
+"""The GPU path on real NVIDIA GPUs (NCCL, the CUDA caching allocator), marked ``cuda``.
+
+Every test here skips on a machine without CUDA (the project's development and CI machines);
+the two-GPU tests skip below two GPUs. ``scripts/gpu_check.sh`` runs them on a GPU machine and
+writes gpu_report.md. The logic that can be proven without a GPU is in test_gpu_logic.py.
+
+On one GPU (NCCL, one rank):
+- FSDP2 against stock fairseq on the same GPU: fp32 equal per-update loss and gnorm at the
+  printed precision; fp16 and bf16 within tolerances derived below;
+- memory.jsonl and the log carry the CUDA figures and they agree with the allocator, read
+  alongside in the same process;
+- the estimator's ``cuda`` prediction against the measured allocator peak (NLLB-shaped reduced
+  model of docs/benchmarks.md, and the real NLLB-600M dimensions at a small batch; stock and
+  chunked loss; the tied-gradient buffer), within 10%;
+- the meta-device build on resume (also with --cpu-offload) and on --finetune-from-model,
+  --cpu-offload training, the chunked loss, the tied-gradient buffer;
+- a real torch.OutOfMemoryError from the allocator gives the one-line report.
+On two GPUs (NCCL, two ranks): torchrun against stock fairseq's own 2-GPU run; plain
+``fairseq-train`` without torchrun (fairseq's default world size is the number of GPUs and it
+spawns one process per GPU: the plugin's spawn runs its launch path in each); the fine-tune load
+holds no full model copy on any GPU.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import PLUGIN, REPO, TINY_MODEL, TRAINING
+from corpus import make_corpus
+from launcher import base_env, free_port, train_inner
+
+from fairseq_fsdp2 import estimate as cli
+from fairseq_fsdp2.data.synthetic import write_random_corpus
+from fairseq_fsdp2.memory.plot import read_memory_log
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(GPUS == 0, reason="cuda marker: no CUDA GPU on this machine")]
+two_gpus = pytest.mark.skipif(GPUS < 2, reason=f"cuda marker: needs 2 GPUs, found {GPUS}")
+
+GIB = 1024 ** 3
+FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1"]
+GPU_TRAINING = [a for a in TRAINING if a != "--cpu"]
+NLLB_VOCAB = 256_206
+SENTENCE = 20  # words; + </s> = 21 tokens
+TABLE_ENV = "FAIRSEQ_FSDP2_GPU_TABLE"  # scripts/gpu_check.sh collects the estimator rows here
+
+
+def gpu_env(gpus: int = 1) -> dict:
+    return base_env({"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(gpus)),
+                     "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "probes"),
+                                                    os.environ.get("PYTHONPATH", "")])})
+
+
+def run(args, *, module: str = "fairseq_cli.train", gpus: int = 1, torchrun: int = 0,
+        timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m module args`` on ``gpus`` visible GPUs (under torchrun with that many
+    processes when ``torchrun``)."""
+    cmd = [sys.executable]
+    if torchrun:
+        cmd += ["-m", "torch.distributed.run", "--nproc_per_node", str(torchrun),
+                "--master_port", str(free_port())]
+    cmd += ["-m", module, *[str(a) for a in args]]
+    return subprocess.run(cmd, env=gpu_env(gpus), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def ok(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, (proc.stdout[-3000:] + "\n" + proc.stderr[-5000:])
+    return proc.stdout + proc.stderr
+
+
+def tiny(corpus: Path, save_dir: Path, *extra, updates: int = 10, save: bool = False):
+    args = [corpus, "--user-dir", PLUGIN, *TINY_MODEL, *GPU_TRAINING, "--max-update", updates,
+            "--save-dir", save_dir, "--num-workers", "0"]
+    return args + ([] if save else ["--no-save"]) + list(extra)
+
+
+def series(output: str, key: str) -> list[float]:
+    return [float(r[key]) for r in train_inner(output)]
+
+
+def assert_printed_equal(a: list[float], b: list[float]) -> None:
+    """Equal at fairseq's printed precision (3 decimals): values whose true difference is
+    below half a unit of the last digit print at most one unit apart."""
+    assert len(a) == len(b) and a, (a, b)
+    assert all(abs(x - y) <= 1e-3 + 1e-9 for x, y in zip(a, b)), (a, b)
+
+
+def assert_within(a: list[float], b: list[float], rel: float) -> None:
+    assert len(a) == len(b) and a, (a, b)
+    assert all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b)), (rel, a, b)
+
+
+# -- one GPU: FSDP2 against stock fairseq -----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fsdp2_fp32(corpus, tmp_path_factory) -> str:
+    """FSDP2, one GPU, fp32, dropout 0.1: shared by several comparisons below."""
+    return ok(run(tiny(corpus, tmp_path_factory.mktemp("fp32"), *FSDP2)))
+
+
+def test_fp32_equals_stock_fairseq_on_the_same_gpu(corpus, tmp_path, fsdp2_fp32):
+    """Same kernels, same RNG use (dropout 0.1), fp32 master weights in both: equal."""
+    stock = ok(run(tiny(corpus, tmp_path)))
+    assert "over 1 rank(s)" in fsdp2_fp32
+    assert_printed_equal(series(fsdp2_fp32, "loss"), series(stock, "loss"))
+    assert_printed_equal(series(fsdp2_fp32, "gnorm"), series(stock, "gnorm"))
+
+
+# Tolerances for 16-bit compute. Logits are dot products of a layer-normed feature (norm about
+# sqrt(32) = 5.7 with the tiny model's dim 32) and an embedding row (norm about 1): rounding the
+# operands to the compute format (unit roundoff u: 2^-11 fp16, 2^-8 bf16) moves a logit by at
+# most 2u x 5.7, and cross-entropy moves by at most twice the largest logit change, so the loss
+# (about 4.5 = ln of the ~90-word vocabulary) moves by at most 4u x 5.7 / 4.5 = 5u relative;
+# gradients, computed in the same format through 2+2 layers, get 4x that. 5 updates, dropout 0
+# (the dropout kernels of two formats draw their masks differently).
+U = {"fp16": 2 ** -11, "bf16": 2 ** -8}
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_16_bit_within_rounding_of_stock_fairseq(corpus, tmp_path, precision):
+    """fp16: stock fairseq's own --fp16 (fp32 master copy, loss scaling) on the same GPU.
+    bf16: stock fairseq's --bf16 means TPU (it sets --tpu), so the reference is its fp32 run;
+    both sides rounded, the bound is twice the one-sided one."""
+    flag = f"--{precision}"
+    ours = ok(run(tiny(corpus, tmp_path / "ours", *FSDP2, flag, "--dropout", "0",
+                       updates=5)))
+    stock = ok(run(tiny(corpus, tmp_path / "stock", "--dropout", "0",
+                        *([flag] if precision == "fp16" else []), updates=5)))
+    u = U[precision] * (1 if precision == "fp16" else 2)
+    assert_within(series(ours, "loss"), series(stock, "loss"), 5 * u)
+    assert_within(series(ours, "gnorm"), series(stock, "gnorm"), 20 * u)
+
+
+def test_cpu_offload_trains_like_the_gpu(corpus, tmp_path, fsdp2_fp32):
+    """--cpu-offload: shards, gradients and Adam on the CPU, compute on the GPU, the gradient
+    norm from CPU gradients (grad_norm.py). The same fp32 arithmetic on another device: the CPU
+    and GPU Adam kernels round alike to an ulp, far below the printed precision."""
+    out = ok(run(tiny(corpus, tmp_path, *FSDP2, "--cpu-offload")))
+    assert_printed_equal(series(out, "loss"), series(fsdp2_fp32, "loss"))
+    assert_printed_equal(series(out, "gnorm"), series(fsdp2_fp32, "gnorm"))
+
+
+@pytest.mark.parametrize("flags", [
+    ["--criterion", "label_smoothed_cross_entropy_chunked", "--loss-chunk-tokens", "64"],
+    ["--fsdp2-tied-grad-buffer"]], ids=["chunked-loss", "tied-grad-buffer"])
+def test_memory_options_keep_the_losses(corpus, tmp_path, fsdp2_fp32, flags):
+    """The chunked loss and the tied-gradient buffer change summation order only (fp32)."""
+    out = ok(run(tiny(corpus, tmp_path, *FSDP2, *flags)))
+    assert_printed_equal(series(out, "loss"), series(fsdp2_fp32, "loss"))
+    assert_printed_equal(series(out, "gnorm"), series(fsdp2_fp32, "gnorm"))
+
+
+# -- one GPU: the memory log -------------------------------------------------------------------
+
+def test_memory_log_carries_the_allocator_figures(corpus, tmp_path):
+    """memory_probe.py runs fairseq-train and reads the allocator itself at every log, before
+    the monitor resets the peak: the logged figures must be those readings."""
+    out = ok(run(tiny(corpus, tmp_path, *FSDP2, updates=4, save=True),
+                 module="memory_probe"))
+    alongside = [json.loads(line[len("ALONGSIDE "):]) for line in out.splitlines()
+                 if line.startswith("ALONGSIDE ")]
+    records = read_memory_log(tmp_path / "memory.jsonl")
+    logged = train_inner(out)
+    assert [r["num_updates"] for r in records] == [1, 2, 3, 4] == [a["update"] for a in alongside]
+    retries = [a["retries_total"] for a in alongside]
+    for i, (rec, a, line) in enumerate(zip(records, alongside, logged)):
+        rank = rec["ranks"][0]
+        assert rec["device"] == "cuda"
+        assert rank["peak_gb"] == pytest.approx(a["max_allocated"] / GIB, abs=1e-9)
+        assert rank["reserved_gb"] == pytest.approx(a["max_reserved"] / GIB, abs=1e-9)
+        assert rank["reserved_gb"] >= rank["peak_gb"] > 0
+        # per interval: the difference of two readings of the cumulative counter
+        assert rank["alloc_retries"] == retries[i] - (retries[i - 1] if i else a["retries_start"])
+        assert float(line["mem_peak_gb_max"]) == pytest.approx(rank["peak_gb"], abs=1e-3)
+        assert float(line["mem_reserved_gb_max"]) == pytest.approx(rank["reserved_gb"], abs=1e-3)
+        assert float(line["mem_alloc_retries"]) == rank["alloc_retries"]
+
+
+# -- one GPU: the estimator against the allocator ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def nllb_vocab_corpus(tmp_path_factory) -> Path:
+    return write_random_corpus(tmp_path_factory.mktemp("nllb_vocab"), vocab=NLLB_VOCAB,
+                               words=SENTENCE, n_train=400)
+
+
+REDUCED = ["--arch", "transformer_nllb_600m", "--encoder-layers", "3", "--decoder-layers", "3",
+           "--encoder-embed-dim", "128", "--decoder-embed-dim", "128",
+           "--encoder-ffn-embed-dim", "512", "--decoder-ffn-embed-dim", "512",
+           "--encoder-attention-heads", "2", "--decoder-attention-heads", "2"]
+CHUNKED = ["--criterion", "label_smoothed_cross_entropy_chunked", "--loss-chunk-tokens", "64"]
+ESTIMATES = {  # name: (model flags, --max-tokens, extra flags)
+    "reduced, stock loss": (REDUCED, 672, []),
+    "reduced, chunked loss": (REDUCED, 672, CHUNKED),
+    "reduced, chunked loss, tied-grad buffer": (REDUCED, 672, CHUNKED + ["--fsdp2-tied-grad-buffer"]),
+    "NLLB-600M, stock loss": (["--arch", "transformer_nllb_600m"], 168, []),
+    "NLLB-600M, chunked loss": (["--arch", "transformer_nllb_600m"], 168, CHUNKED),
+}
+measured_peaks: dict[str, float] = {}
+
+
+def nllb_args(data: Path, save_dir: Path, model, max_tokens: int, extra) -> list[str]:
+    """The command line of docs/benchmarks.md (per-layer plan, root reshard, fp32 Adam)."""
+    return [str(data), "--user-dir", PLUGIN, "--task", "translation", *model,
+            "--optimizer", "adam", "--lr", "1e-4", "--criterion", "label_smoothed_cross_entropy",
+            "--label-smoothing", "0.1", "--max-tokens", str(max_tokens), "--max-update", "3",
+            "--log-format", "json", "--log-interval", "1", "--seed", "1", "--no-progress-bar",
+            "--disable-validation", "--save-dir", str(save_dir), "--no-epoch-checkpoints",
+            "--no-save", "--num-workers", "0", "--ddp-backend", "fsdp2",
+            "--min-params-to-wrap", "1", "--fsdp2-root-reshard", "always", *extra]
+
+
+@pytest.mark.parametrize("name", list(ESTIMATES))
+def test_estimator_predicts_the_allocator_peak_within_10_percent(nllb_vocab_corpus, tmp_path,
+                                                                  name):
+    model, max_tokens, extra = ESTIMATES[name]
+    args = nllb_args(nllb_vocab_corpus, tmp_path, model, max_tokens, extra)
+    out = ok(run(args, timeout=600))
+    # the per-interval allocator peak the plugin logs (GiB, 3 decimals); update 1 also
+    # creates the optimizer state (the estimate is of the steady state)
+    measured = max(float(r["mem_peak_gb_max"]) for r in train_inner(out)
+                   if int(r["num_updates"]) >= 2)
+    (prediction,) = cli.estimate_args(args + ["--world-size", "1",
+                                              "--seq-len", str(SENTENCE + 1)])
+    assert prediction.setup.device == "cuda" and "over 1 rank(s)" in out
+    predicted = prediction.peak_gb
+    row = {"name": name, "measured_gib": round(measured, 3), "predicted_gib": round(predicted, 3),
+           "error": round(predicted / measured - 1, 4), "peak_at": prediction.classes[0].moment}
+    if os.environ.get(TABLE_ENV):
+        with open(os.environ[TABLE_ENV], "a") as f:
+            f.write(json.dumps(row) + "\n")
+    measured_peaks[name] = measured
+    assert abs(predicted - measured) <= 0.10 * measured, (row, prediction.table())
+
+
+def test_tied_gradient_buffer_lowers_the_measured_peak():
+    """Runs after the estimator rows above (same module, file order, one process)."""
+    stock = measured_peaks.get("reduced, chunked loss")
+    buffered = measured_peaks.get("reduced, chunked loss, tied-grad buffer")
+    if stock is None or buffered is None:
+        pytest.skip("needs both chunked-loss rows of the estimator test in this session")
+    assert buffered < stock, (stock, buffered)
+
+
+# -- one GPU: the meta-device build, out of memory ---------------------------------------------
+
+@pytest.mark.parametrize("offload", [False, True], ids=["gpu", "cpu-offload"])
+def test_meta_device_build_on_resume_continues_the_run_exactly(corpus, tmp_path, offload):
+    """Saves every 2 updates, stops at 4; the same command to update 6 resumes (model built on the
+    meta device, shards and buffers placed, sinusoidal tables recomputed) and updates 5-6 equal
+    an uninterrupted run (dropout 0: the per-update seeds alone then fix everything)."""
+    flags = [*FSDP2, "--dropout", "0", "--save-interval-updates", "2", "--fsdp2-no-consolidate",
+             *(["--cpu-offload"] if offload else [])]
+    ok(run(tiny(corpus, tmp_path / "resumed", *flags, updates=4, save=True)))
+    resumed = ok(run(tiny(corpus, tmp_path / "resumed", *flags, updates=6, save=True)))
+    whole = ok(run(tiny(corpus, tmp_path / "whole", *flags, updates=6, save=True)))
+    assert "model built on the meta device" in resumed
+    assert [r["num_updates"] for r in train_inner(resumed)] == ["5", "6"]
+    for key in ("loss", "gnorm"):
+        assert_printed_equal(series(resumed, key), series(whole, key)[4:])
+
+
+def test_meta_device_build_on_finetune(corpus, tmp_path):
+    ok(run(tiny(corpus, tmp_path / "src", *FSDP2, updates=2, save=True)))
+    pretrained = tmp_path / "src" / "checkpoint_last_consolidated.pt"
+    out = ok(run(tiny(corpus, tmp_path / "ft", *FSDP2, "--finetune-from-model", pretrained,
+                      updates=3)))
+    assert "model built on the meta device" in out
+    assert len(train_inner(out)) == 3
+
+
+def test_real_out_of_memory_is_one_line(tmp_path_factory, tmp_path):
+    """--max-tokens far beyond the GPU: about 100,000 target tokens x 256,206 words of fp32
+    logits (~100 GB) and their log-probabilities cannot be allocated; the allocator raises
+    torch.OutOfMemoryError and the run stops with one line naming the rank and update."""
+    data = write_random_corpus(tmp_path_factory.mktemp("long"), vocab=NLLB_VOCAB, words=200,
+                               n_train=520)
+    args = nllb_args(data, tmp_path, REDUCED, 105_000, ["--max-source-positions", "256",
+                                                         "--max-target-positions", "256"])
+    proc = run(args)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("fairseq_fsdp2: error:")]
+    assert len(ours) == 1, proc.stderr[-3000:]
+    assert ours[0].startswith("fairseq_fsdp2: error: out of memory on rank 0 at update 1: "
+                              "CUDA out of memory"), ours[0]
+    assert "--fsdp2-memory-breakdown 1" in ours[0]
+    assert "Traceback" not in proc.stderr
+
+
+# -- two GPUs ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def torchrun_two(corpus, tmp_path_factory) -> str:
+    return ok(run(tiny(corpus, tmp_path_factory.mktemp("tr2"), *FSDP2), gpus=2, torchrun=2))
+
+
+@two_gpus
+def test_two_gpus_torchrun_equals_stock_fairseq(corpus, tmp_path, torchrun_two):
+    """Stock fairseq on 2 GPUs spawns its 2 workers itself (legacy_ddp, NCCL)."""
+    stock = ok(run(tiny(corpus, tmp_path, "--ddp-backend", "legacy_ddp"), gpus=2))
+    assert "over 2 rank(s)" in torchrun_two
+    assert_printed_equal(series(torchrun_two, "loss"), series(stock, "loss"))
+    assert_printed_equal(series(torchrun_two, "gnorm"), series(stock, "gnorm"))
+
+
+@two_gpus
+def test_two_gpus_plain_fairseq_train_runs_the_plugin_in_each_worker(corpus, tmp_path,
+                                                                      torchrun_two):
+    """No torchrun: fairseq's world size defaults to the 2 GPUs and the workers are spawned
+    (launchers.spawn); they train as under torchrun, save, export once, and exit 0."""
+    out = ok(run(tiny(corpus, tmp_path, *FSDP2, save=True), gpus=2))
+    assert "over 2 rank(s)" in out
+    assert_printed_equal(series(out, "loss"), series(torchrun_two, "loss"))
+    assert (tmp_path / "checkpoint_last_consolidated.pt").is_file()
+
+
+@two_gpus
+def test_two_gpus_bad_option_in_spawned_workers_is_one_line(corpus, tmp_path):
+    proc = run(tiny(corpus, tmp_path, *FSDP2, "--fsdp2-reshard-degree", "3"), gpus=2)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "fairseq_fsdp2: error: --fsdp2-reshard-degree 3" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@two_gpus
+def test_two_gpus_finetune_load_holds_no_full_model_copy(tmp_path):
+    """A model of many small tensors (6+6 layers of dim 512, the tiny corpus's ~90 words):
+    rank 0 broadcasts one tensor at a time, every rank keeps its half; no GPU ever holds the
+    whole model while building or loading."""
+    corpus = make_corpus(tmp_path / "corpus")
+    model = ["--task", "translation", "--arch", "transformer", "--share-all-embeddings",
+             "--encoder-layers", "6", "--decoder-layers", "6", "--encoder-embed-dim", "512",
+             "--decoder-embed-dim", "512", "--encoder-ffn-embed-dim", "2048",
+             "--decoder-ffn-embed-dim", "2048", "--encoder-attention-heads", "8",
+             "--decoder-attention-heads", "8"]
+    common = [corpus, "--user-dir", PLUGIN, *model, "--optimizer", "adam", "--lr", "1e-4",
+              "--max-tokens", "500", "--log-format", "json", "--log-interval", "1",
+              "--no-progress-bar", "--disable-validation", "--num-workers", "0", *FSDP2]
+    ok(run([*common, "--max-update", "1", "--save-dir", tmp_path / "src"], gpus=1))
+    pretrained = tmp_path / "src" / "checkpoint_last_consolidated.pt"
+    state = torch.load(pretrained, map_location="meta")["model"]
+    aliases = ("decoder.embed_tokens.weight", "decoder.output_projection.weight")  # tied
+    full_gb = sum(v.numel() * 4 for k, v in state.items()
+                  if k not in aliases and v.is_floating_point()) / GIB
+    out = ok(run([*common, "--max-update", "1", "--finetune-from-model", pretrained,
+                  "--no-save"], gpus=2, torchrun=2))
+    line = next(l for l in out.splitlines() if "loaded pretrained weights" in l)
+    loads = [float(x.split("->")[1]) for x in line.split("(GB): ")[1].split(";")[0].split(",")]
+    builds = [float(x) for x in line.split("peak while building the model: ")[1].split(",")]
+    assert len(loads) == 2 and max(loads) < 0.75 * full_gb, (line, full_gb)
+    assert max(builds) < 0.5 * full_gb, (line, full_gb)

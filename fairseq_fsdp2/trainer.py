@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from . import liveness, meta_init, precision, tied_grad
 from .apply import apply_plan, build_mesh
-from .checkpoint import sharded
+from .checkpoint import hf_nllb, sharded
 from .checkpoint.safe_load import read_checkpoint_file
 from .checkpoint.full_state import broadcast_full_model, install_optimizer_hooks
 from .errors import CheckpointError, OutOfMemory, SaveFailed, first_line
@@ -251,6 +251,8 @@ class FSDP2Trainer(Trainer):
     def load_checkpoint(self, filename, reset_optimizer=False, reset_lr_scheduler=False,
                         optimizer_overrides=None, reset_meters=False):
         info = None
+        if hf_nllb.is_hf_source(filename):  # --finetune-from-model of Hugging Face weights
+            return self._load_pretrained(filename)
         filename = self._newest_complete(filename)
         if not os.path.isfile(filename) and \
                 self.cfg.checkpoint.restore_file != sharded.DEFAULT_RESTORE_FILE:
@@ -298,14 +300,20 @@ class FSDP2Trainer(Trainer):
         return path
 
     def _load_pretrained(self, filename):
-        """A stock (consolidated) checkpoint for fine-tuning (--finetune-from-model): rank 0
-        reads it memory-mapped and broadcasts one tensor at a time; every rank keeps only its
-        shards, so no rank but 0 ever holds the full model. Training starts fresh (the
-        optimizer, lr scheduler, meters and data loader are reset, as fairseq does)."""
+        """A stock (consolidated) checkpoint or Hugging Face NLLB weights for fine-tuning
+        (--finetune-from-model): rank 0 reads it memory-mapped and broadcasts one tensor at a
+        time; every rank keeps only its shards, so no rank but 0 ever holds the full model.
+        Training starts fresh (the optimizer, lr scheduler, meters and data loader are reset,
+        as fairseq does)."""
         self._memory.reset()
         before = current_gb(self.device)
-        full = read_checkpoint_file(filename)["model"] if self.data_parallel_rank == 0 else None
-        broadcast_full_model(self.model, full, filename)
+        full, problem = None, None
+        if self.data_parallel_rank == 0:
+            try:
+                full = self._pretrained_weights(filename)
+            except CheckpointError as e:  # told to every rank by the broadcast
+                problem = str(e)
+        broadcast_full_model(self.model, full, filename, problem)
         self._weights_loaded = True
         del full
         ranks = self._memory.gather({"before_gb": before,
@@ -316,6 +324,14 @@ class FSDP2Trainer(Trainer):
                     "; peak while building the model: " + ", ".join(
                         f"{r['startup_gb']:.3f}" for r in ranks))
         return None
+
+    def _pretrained_weights(self, filename):
+        """Rank 0: the full model's tensors by fairseq name, memory-mapped."""
+        if hf_nllb.is_hf_source(filename):
+            shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+            return hf_nllb.open_checked(filename, self.cfg.model, shapes,
+                                        self.task.source_dictionary.symbols)
+        return read_checkpoint_file(filename)["model"]
 
     def _rescale_iterator_position(self, extra_state, saved_world: int) -> None:
         """The saved position counts batches per rank; keep the same global position."""

@@ -29,7 +29,7 @@ def compute(model, tokenizer, request: dict) -> dict:
         out = model(input_ids=src, attention_mask=src.ne(1).long(),
                     decoder_input_ids=torch.tensor(request["prev"]))
     result["logits"] = out.logits.tolist()
-    generated, gaps = [], []
+    generated, gaps, largest = [], [], 0.0
     for ids in request["gen_src"]:
         out = model.generate(torch.tensor([ids]), num_beams=1, do_sample=False,
                              forced_bos_token_id=request["tgt_lang_id"],
@@ -40,7 +40,9 @@ def compute(model, tokenizer, request: dict) -> dict:
         for step in out.scores[1:]:  # the first step is forced
             top = step[0].topk(2).values
             gaps.append(float(top[0] - top[1]))
-    result["generated"], result["min_gap"] = generated, min(gaps)
+            largest = max(largest, float(step[0][step[0].isfinite()].abs().max()))
+    result["generated"] = generated
+    result["min_gap"], result["max_logit"] = min(gaps, default=None), largest
     if tokenizer is not None:
         tokenizer.src_lang = request["src_lang"]
         result["text_ids"] = [tokenizer(t).input_ids for t in request["texts"]]

@@ -47,7 +47,8 @@ FIXTURE_DEPS = Path(os.environ.get("FAIRSEQ_FSDP2_FIXTURE_DEPS",
 PAIR = ("eng_Latn", "fra_Latn")
 TINY = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=128,
             decoder_ffn_dim=128, encoder_attention_heads=4, decoder_attention_heads=4,
-            max_position_embeddings=512, encoder_layerdrop=0.0, decoder_layerdrop=0.0)
+            max_position_embeddings=512, encoder_layerdrop=0.0, decoder_layerdrop=0.0,
+            init_std=0.5)  # large weights: greedy outputs that differ by source, far from ties
 MAX_LEN = 12  # fairseq-generate --max-len-b: tokens before the forced end of sentence
 # Float tolerance for HF vs fairseq logits. Both run the same float32 operations in other
 # kernels and orders (HF: SDPA over separate q/k/v; fairseq: torch's multi_head_attention_forward).
@@ -243,7 +244,7 @@ def test_finetune_from_hf_weights_has_the_fairseq_checkpoints_first_update(finet
     from_fairseq = train_inner(finetuned.outputs["from_fairseq"])
     assert "loaded pretrained weights from" in finetuned.outputs["from_hf"]
     assert len(from_hf) == 10 and len(from_fairseq) == 1
-    keys = ("loss", "nll_loss", "gnorm", "ntokens")
+    keys = ("loss", "nll_loss", "gnorm", "wpb", "bsz")
     assert {k: from_hf[0][k] for k in keys} == {k: from_fairseq[0][k] for k in keys}
     assert float(from_hf[-1]["loss"]) < float(from_hf[0]["loss"]) - 1.0  # and it trains
 
@@ -265,7 +266,8 @@ def test_export_loads_in_transformers_and_matches_fairseq(hub, finetuned, tmp_pa
     assert all(torch.equal(back[k], state[k]) for k in state)
 
     # transformers on the export, fairseq-generate on the checkpoint, side by side
-    cfg, task, model = task_and_model(hub.data)
+    cfg, task, model = task_and_model(hub.data, source_lang=PAIR[0], target_lang=PAIR[1])
+    cfg.generation.beam, cfg.generation.max_len_a, cfg.generation.max_len_b = 1, 0, MAX_LEN
     d = task.source_dictionary
     model.load_state_dict(state, strict=True)
     test = data_utils.load_indexed_dataset(
@@ -291,16 +293,23 @@ def test_export_loads_in_transformers_and_matches_fairseq(hub, finetuned, tmp_pa
     # no greedy choice was near a tie, so float differences (within tol, either side) cannot
     # have flipped one
     assert result["min_gap"] > 2 * LOGIT_RTOL * max(1.0, result["max_logit"])
-    hypotheses = {int(m[1]): m[2].split() for m in re.finditer(r"^H-(\d+)\t\S+\t(.*)$",
-                                                               generated, re.M)}
-    assert len(hypotheses) == len(sources)
+    printed = {int(m[1]): m[2] for m in re.finditer(r"^H-(\d+)\t\S+\t(.*)$", generated, re.M)}
+    assert len(printed) == len(sources)
+    generator = task.build_generator([model], cfg.generation)
     distinct = set()
-    for i, tokens in enumerate(result["generated"]):
-        assert tokens[:2] == [2, request["tgt_lang_id"]]  # decoder start, forced language
-        words = [d.symbols[t] for t in tokens[2:] if t != 2][:MAX_LEN - 1]
-        ended = 2 in tokens[2:]
-        assert hypotheses[i] == words, (i, hypotheses[i], words)
-        if len(words) < MAX_LEN - 1:
-            assert ended
-        distinct.add(" ".join(words))
-    assert len(distinct) > 5  # the translations depend on the source
+    for i, (src, theirs) in enumerate(zip(sources, result["generated"])):
+        sample = {"net_input": {"src_tokens": torch.tensor([src]),
+                                "src_lengths": torch.tensor([len(src)])}}
+        ours = task.inference_step(generator, [model], sample)[0][0]["tokens"].tolist()
+        # HF: decoder start </s>, forced language, tokens (to max_new_tokens); fairseq:
+        # language (the prefix), tokens, </s> (forced after MAX_LEN tokens)
+        assert theirs[0] == 2 and ours[0] == theirs[1] == request["tgt_lang_id"]
+        if len(ours) <= MAX_LEN:  # ended by itself
+            assert theirs[1:len(ours) + 1] == ours, (i, theirs, ours)
+        else:
+            assert theirs[1:MAX_LEN + 1] == ours[:MAX_LEN], (i, theirs, ours)
+        # and stock fairseq-generate printed the same (without language tokens, fairseq's way)
+        assert printed[i] == d.string(torch.tensor(ours), extra_symbols_to_ignore=
+                                      generator.symbols_to_strip_from_output), (i, printed[i])
+        distinct.add(tuple(ours))
+    assert len(distinct) > 5  # the outputs depend on the source

@@ -175,6 +175,19 @@ def test_a_misplaced_dictionary_entry_stops_with_one_line(hub, tmp_path):
                                 symbols) is not None  # the right one passes without tokenizer
 
 
+def test_prepare_data_hf_model_refuses_other_vocabularies(hub, tmp_path):
+    from fairseq_fsdp2.data.prepare import PrepareError
+    raw = hub.root / "raw"
+    cases = [({"spm_model": hub.dir / "sentencepiece.bpe.model"},
+              "--hf-model brings its own SentencePiece model and dictionary"),
+             ({"hf_model": tmp_path}, f"--hf-model: {tmp_path / 'config.json'} not found")]
+    for extra, message in cases:
+        with pytest.raises(PrepareError) as e:
+            prepare(raw, tmp_path / "out", **{"hf_model": hub.dir, **extra}, log=lambda *a: None)
+        assert str(e.value).startswith(message), str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
 # --- import -----------------------------------------------------------------------------------
 
 def test_hub_weights_give_the_hf_logits_in_fairseq(hub):
@@ -183,6 +196,26 @@ def test_hub_weights_give_the_hf_logits_in_fairseq(hub):
                                    task.source_dictionary.symbols)
     model.load_state_dict(dict(weights), strict=True)
     assert_logits_close(fairseq_logits(model, hub.request), hub.result["logits"])
+
+
+def test_sharded_safetensors_read_the_same(hub, tmp_path):
+    """A model saved in several files (model.safetensors.index.json), as the larger hub
+    models are, reads as the single file does."""
+    from fairseq_fsdp2.checkpoint.safetensors_io import SafetensorsFile, write
+
+    single = SafetensorsFile(str(hub.dir / "model.safetensors"))
+    names = single.keys()
+    sharded = tmp_path / "sharded"
+    shutil.copytree(hub.dir, sharded, ignore=shutil.ignore_patterns("model.safetensors"))
+    parts = {"model-00001-of-00002.safetensors": names[::2],
+             "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in parts.items():
+        write(str(sharded / file), [(n, single.tensor(n)) for n in part], {"format": "pt"})
+    (sharded / hf_nllb.INDEX).write_text(json.dumps(
+        {"weight_map": {n: f for f, part in parts.items() for n in part}}))
+    a, b = hf_nllb.HFWeights(str(hub.dir)), hf_nllb.HFWeights(str(sharded))
+    assert hf_nllb.is_hf_source(str(sharded)) and set(a) == set(b)
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_other_architectures_and_files_stop_with_one_line(hub, tmp_path):

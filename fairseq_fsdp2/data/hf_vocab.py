@@ -77,6 +77,26 @@ def expected_rows(directory: Path, rows: int) -> list[Optional[str]]:
     return expected
 
 
+def dictionary_for(directory: Path) -> tuple[Path, list[str], list[str]]:
+    """For an HF model directory: its SentencePiece model, the dict.txt lines that put every
+    token on its row, and its languages in row order. ValueError if it lacks what is needed."""
+    config, model = directory / CONFIG_FILE, directory / SPM_FILE
+    for path in (config, model):
+        if not path.is_file():
+            raise ValueError(f"{path} not found (a Hugging Face NLLB model directory has "
+                             f"{CONFIG_FILE} and {SPM_FILE})")
+    rows = read_config(directory).get("vocab_size")
+    if not isinstance(rows, int):
+        raise ValueError(f"{config} has no vocab_size")
+    import sentencepiece as spm
+    needed = spm.SentencePieceProcessor(model_file=str(model)).get_piece_size() + 1
+    if rows < needed:
+        raise ValueError(f"the embedding has {rows} rows, fewer than its SentencePiece model "
+                         f"needs ({needed})")
+    expected = expected_rows(directory, rows)
+    return model, dictionary_lines(expected), languages(expected)
+
+
 def dictionary_lines(expected: Sequence[Optional[str]]) -> list[str]:
     """dict.txt lines that put every token on its row (rows 0-3 are fairseq's own specials)."""
     return [f"{token} 1" if token is not None else f"{FILLER.format(i)} 0"

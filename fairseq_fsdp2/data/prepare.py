@@ -235,27 +235,6 @@ def build_dictionary(encoded_train: Sequence[Path], append_langs: Sequence[str],
     return lines
 
 
-def hf_dictionary(model_dir: Path, spm_model, dictionary) -> tuple[Path, list[str], list[str]]:
-    """For a Hugging Face NLLB model: its SentencePiece model, the dictionary lines that put
-    every token on the embedding row HF's tokenizer uses (data/hf_vocab.py), its languages."""
-    if spm_model is not None or dictionary is not None:
-        raise PrepareError("--hf-model brings its own SentencePiece model and dictionary: "
-                           "leave out --spm-model and --dict")
-    config = model_dir / hf_vocab.CONFIG_FILE
-    model = model_dir / hf_vocab.SPM_FILE
-    for path in (config, model):
-        if not path.is_file():
-            raise PrepareError(f"--hf-model: {path} not found (a Hugging Face NLLB model "
-                               "directory has config.json and sentencepiece.bpe.model)")
-    rows = hf_vocab.read_config(model_dir).get("vocab_size")
-    expected = hf_vocab.expected_rows(model_dir, rows)
-    pieces = spm.SentencePieceProcessor(model_file=str(model)).get_piece_size()
-    if pieces + 1 > rows:
-        raise PrepareError(f"--hf-model: the embedding has {rows} rows, fewer than the "
-                           f"{pieces + 1} its SentencePiece model needs")
-    return model, hf_vocab.dictionary_lines(expected), hf_vocab.languages(expected)
-
-
 def binarize(pair: Pair, splits: Sequence[str], encoded_dir: Path, dictionary: Path,
              out_dir: Path, workers: int) -> None:
     """One fairseq-preprocess run for a pair, the shared dictionary on both sides."""
@@ -293,7 +272,13 @@ def prepare(raw_dir: Path, dest: Path, *, lang_pairs: Optional[str] = None,
         read_dict_tokens(Path(dictionary))
     hf_lines = None
     if hf_model is not None:
-        spm_model, hf_lines, hf_langs = hf_dictionary(Path(hf_model), spm_model, dictionary)
+        if spm_model is not None or dictionary is not None:
+            raise PrepareError("--hf-model brings its own SentencePiece model and dictionary: "
+                               "leave out --spm-model and --dict")
+        try:
+            spm_model, hf_lines, hf_langs = hf_vocab.dictionary_for(Path(hf_model))
+        except ValueError as e:
+            raise PrepareError(f"--hf-model: {e}") from None
 
     pairs = (parse_pairs(lang_pairs, allow_non_nllb_langs) if lang_pairs
              else discover_pairs(raw_dir, allow_non_nllb_langs))

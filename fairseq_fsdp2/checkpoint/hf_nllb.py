@@ -123,34 +123,36 @@ class HFWeights(Mapping):
 
 def check_fits(weights: HFWeights, model_cfg, own_shapes: dict[str, tuple]) -> Optional[str]:
     """Why the HF weights cannot load into the fairseq model (one line), or None."""
+    def g(key, default=None):
+        return getattr(model_cfg, key, default)
+
     where = weights.path
     if weights.unexpected:
         return (f"{where} is not the NLLB (M2M100) layout: unexpected tensor "
                 f"{weights.unexpected[0]}")
     layers = weights.layers()
-    want = (model_cfg.encoder_layers, model_cfg.decoder_layers)
+    want = (g("encoder_layers"), g("decoder_layers"))
     if layers != want:
         return (f"{where} has {layers[0]} encoder and {layers[1]} decoder layers, the model "
-                f"(--arch {model_cfg.arch}) {want[0]} and {want[1]}")
+                f"(--arch {g('arch')}) {want[0]} and {want[1]}")
     config = weights.config or {}
     settings = [
-        ("encoder_attention_heads", model_cfg.encoder_attention_heads),
-        ("decoder_attention_heads", model_cfg.decoder_attention_heads),
-        ("scale_embedding", not model_cfg.no_scale_embedding),
-        ("activation_function", model_cfg.activation_fn),
+        ("encoder_attention_heads", g("encoder_attention_heads")),
+        ("decoder_attention_heads", g("decoder_attention_heads")),
+        ("scale_embedding", not g("no_scale_embedding")),
+        ("activation_function", g("activation_fn")),
         ("tie_word_embeddings", True), ("pad_token_id", 1), ("eos_token_id", 2),
     ]
     for key, ours in settings:
         if key in config and config[key] != ours:
             return f"{where}: config.json has {key}={config[key]!r}, the model {ours!r}"
-    layout = {"--share-all-embeddings": model_cfg.share_all_embeddings,
-              "--encoder-normalize-before": model_cfg.encoder_normalize_before,
-              "--decoder-normalize-before": model_cfg.decoder_normalize_before,
-              "sinusoidal positions": not (model_cfg.encoder_learned_pos
-                                           or model_cfg.decoder_learned_pos)}
+    layout = {"--share-all-embeddings": g("share_all_embeddings"),
+              "--encoder-normalize-before": g("encoder_normalize_before"),
+              "--decoder-normalize-before": g("decoder_normalize_before"),
+              "sinusoidal positions": not (g("encoder_learned_pos") or g("decoder_learned_pos"))}
     missing_flags = [flag for flag, on in layout.items() if not on]
     if missing_flags:
-        return (f"the model (--arch {model_cfg.arch}) lacks {', '.join(missing_flags)}, which "
+        return (f"the model (--arch {g('arch')}) lacks {', '.join(missing_flags)}, which "
                 f"NLLB weights from Hugging Face need (use a transformer_nllb_* arch)")
     for name, shape in own_shapes.items():
         if name not in weights:
@@ -225,8 +227,9 @@ def hf_tensors(model: dict) -> list[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs of a fairseq model state dict, the shared embedding once."""
     pairs = [(HF_EMBEDDING[0], model[FAIRSEQ_EMBEDDING[0]])]
     for name, tensor in model.items():
-        if name in FAIRSEQ_EMBEDDING or name in FAIRSEQ_VERSIONS:
-            continue
+        if name in FAIRSEQ_EMBEDDING or name in FAIRSEQ_VERSIONS or name.endswith(
+                ("embed_positions._float_tensor", "embed_positions.weights")):
+            continue  # format markers; sinusoidal tables (older fairseq saved them)
         if not name.startswith(("encoder.layers.", "decoder.layers.", "encoder.layer_norm.",
                                 "decoder.layer_norm.")):
             raise CheckpointError(f"the model has {name}, which the NLLB (M2M100) layout "

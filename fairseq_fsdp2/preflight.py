@@ -1,7 +1,8 @@
 """Bad input caught before work starts, or recognised when fairseq trips over it.
 
 ``check_launch`` runs before the process group exists: a world size that the processes on
-hand cannot form, a --save-dir that cannot be created, a --finetune-from-model that is not there. ``data_error`` turns fairseq's own errors
+hand cannot form, a --save-dir that cannot be created, a --finetune-from-model that is not there
+(or a directory without Hugging Face weights). ``data_error`` turns fairseq's own errors
 for a data directory without the files asked for (raised while the task loads, on every rank
 alike) into one line.
 """
@@ -12,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from .checkpoint.hf_nllb import INDEX, WEIGHTS, is_hf_source
 from .errors import OptionError, first_line
 
 
@@ -27,7 +29,10 @@ def check_launch(cfg, *, launched_per_rank: bool, on_cuda: bool) -> None:
                 f"{where}: start the ranks with torchrun --nproc_per_node {world} (or SLURM) "
                 f"and leave out the distributed flags")
     source = cfg.checkpoint.finetune_from_model
-    if source and not os.path.isfile(source):  # fairseq would stop later with a traceback
+    if source and os.path.isdir(source) and not is_hf_source(source):
+        raise OptionError(f"--finetune-from-model {source} is a directory without a Hugging "
+                          f"Face model in it (config.json and {WEIGHTS} or {INDEX})")
+    if source and not os.path.exists(source):  # fairseq would stop later with a traceback
         raise OptionError(f"--finetune-from-model not found: {source}")
     save_dir = cfg.checkpoint.save_dir
     if not cfg.checkpoint.no_save:

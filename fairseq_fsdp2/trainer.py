@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from . import liveness, meta_init, precision, resume, tied_grad
 from .apply import all_unsharded, apply_plan, build_mesh
-from .checkpoint import sharded
+from .checkpoint import hf_nllb, sharded
 from .checkpoint.safe_load import python_numbers, read_checkpoint_file
 from .checkpoint.shared_dir import check_shared
 from .checkpoint.full_state import broadcast_full_model, install_optimizer_hooks
@@ -269,6 +269,8 @@ class FSDP2Trainer(Trainer):
         info = None
         if not self.cfg.checkpoint.no_save:  # fairseq calls this once, at start, on every rank
             check_shared(self.cfg.checkpoint.save_dir)  # before anything is read or written
+        if hf_nllb.is_hf_source(filename):  # --finetune-from-model of Hugging Face weights
+            return self._load_pretrained(filename)
         filename = self._newest_complete(filename)
         if not os.path.isfile(filename) and \
                 self.cfg.checkpoint.restore_file != sharded.DEFAULT_RESTORE_FILE:
@@ -319,14 +321,20 @@ class FSDP2Trainer(Trainer):
         return path
 
     def _load_pretrained(self, filename):
-        """A stock (consolidated) checkpoint for fine-tuning (--finetune-from-model): rank 0
-        reads it memory-mapped and broadcasts one tensor at a time; every rank keeps only its
-        shards, so no rank but 0 ever holds the full model. Training starts fresh (the
-        optimizer, lr scheduler, meters and data loader are reset, as fairseq does)."""
+        """A stock (consolidated) checkpoint or Hugging Face NLLB weights for fine-tuning
+        (--finetune-from-model): rank 0 reads it memory-mapped and broadcasts one tensor at a
+        time; every rank keeps only its shards, so no rank but 0 ever holds the full model.
+        Training starts fresh (the optimizer, lr scheduler, meters and data loader are reset,
+        as fairseq does)."""
         self._memory.reset()
         before = current_gb(self.device)
-        full = read_checkpoint_file(filename)["model"] if self.data_parallel_rank == 0 else None
-        broadcast_full_model(self.model, full, filename)
+        full, problem = None, None
+        if self.data_parallel_rank == 0:
+            try:
+                full = self._pretrained_weights(filename)
+            except CheckpointError as e:  # told to every rank by the broadcast
+                problem = str(e)
+        broadcast_full_model(self.model, full, filename, problem)
         self._weights_loaded = True
         del full
         ranks = self._memory.gather({"before_gb": before,
@@ -337,6 +345,14 @@ class FSDP2Trainer(Trainer):
                     "; peak while building the model: " + ", ".join(
                         f"{r['startup_gb']:.3f}" for r in ranks))
         return None
+
+    def _pretrained_weights(self, filename):
+        """Rank 0: the full model's tensors by fairseq name, memory-mapped."""
+        if hf_nllb.is_hf_source(filename):
+            shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+            return hf_nllb.open_checked(filename, self.cfg.model, shapes,
+                                        self.task.source_dictionary.symbols)
+        return read_checkpoint_file(filename)["model"]
 
     def _load_sharded_model(self, module, state_dict, prefix, *_):
         if prefix or sharded.SHARDED not in state_dict:

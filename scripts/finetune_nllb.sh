@@ -25,11 +25,13 @@ Each option can also be set by the environment variable in brackets; an option w
   --model-size SIZE       [MODEL_SIZE] 600m | 1.3b | 3.3b | tiny (default: 600m), i.e.
                           --arch transformer_nllb_600m | _1_3b | _3_3b | _tiny (tiny: 2+2
                           layers of 64, for tests and the CPU demo)
-  --pretrained CKPT       [PRETRAINED] stock fairseq checkpoint to start from
-                          (--finetune-from-model: weights only; optimizer, lr schedule and data
-                          position start fresh). Default: none, train from scratch. The NLLB-200
-                          checkpoints need their own SentencePiece model and dictionary:
-                          prepare with --spm-model, --dict and --dict-langs nllb200
+  --pretrained CKPT       [PRETRAINED] stock fairseq checkpoint, or Hugging Face NLLB model
+                          directory / .safetensors file, to start from (--finetune-from-model:
+                          weights only; optimizer, lr schedule and data position start fresh).
+                          Default: none, train from scratch. The NLLB-200 checkpoints need
+                          their own SentencePiece model and dictionary: prepare with
+                          --spm-model, --dict and --dict-langs nllb200 (fairseq files) or with
+                          --hf-model DIR (Hugging Face weights)
   --lang-pairs LIST       [LANG_PAIRS] comma-separated SRC-TGT training directions
                           (default: DATA/lang_pairs.txt)
   --langs LIST            [LANGS] comma-separated languages, in dictionary order (their
@@ -128,7 +130,7 @@ done
 [[ "$LR" =~ ^[0-9.]+([eE][-+]?[0-9]+)?$ ]] || die "LR must be a number, got '$LR'"
 case "$ROOT_RESHARD" in default|always) ;; *)
   die "unknown root reshard '$ROOT_RESHARD' (choose default or always)" ;; esac
-if [[ -n "$PRETRAINED" && ! -f "$PRETRAINED" ]]; then
+if [[ -n "$PRETRAINED" && ! -e "$PRETRAINED" ]]; then
   die "pretrained checkpoint $PRETRAINED does not exist"
 fi
 

@@ -20,7 +20,8 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 # torch installed above (an isolated build would download a multi-GB CUDA torch), --no-deps keeps
 # pip from pulling torchaudio, which would replace torch.
 "${pip[@]}" install --no-deps --no-build-isolation -r "$root/requirements-fairseq.txt"
-# Test-only fairscale (see requirements-dev.txt): in its own folder, on no default path.
+# Test-only fairscale and transformers (see requirements-dev.txt): in their own folder, on no
+# default path.
 "${pip[@]}" install --no-deps --no-build-isolation --upgrade --target "$venv/fixture-deps" \
   -r "$root/requirements-dev.txt"
 # The plugin itself, editable, so that `--user-dir fairseq_fsdp2` and `import fairseq_fsdp2` agree.

@@ -19,16 +19,19 @@ import torch.distributed.checkpoint as dcp
 
 from ..errors import CheckpointError
 from ..models.nllb import NLLB_SIZES
-from . import legacy_fairscale, sharded
+from . import hf_nllb, legacy_fairscale, sharded
 from .safe_load import read_checkpoint_file
 
 CONSOLIDATED_SUFFIX = "_consolidated.pt"
 
 
-def consolidate(checkpoint: str, out: str, data: str | None = None) -> str:
+def consolidate(checkpoint: str, out: str, data: str | None = None,
+                out_format: str = "fairseq") -> str:
     """``checkpoint``: a file saved by --ddp-backend fsdp2, or one of legacy FSDP's
     ``<name>-shard<rank>.pt`` files (or ``<name>.pt`` for all of them); ``data`` replaces the
-    data directory in a legacy save's cfg (the model is built from it to find tied weights)."""
+    data directory in a legacy save's cfg (the model is built from it to find tied weights).
+    ``out_format`` "hf": ``out`` is a Hugging Face model directory, and ``checkpoint`` may
+    also be a consolidated (stock) fairseq checkpoint."""
     legacy = legacy_fairscale.shard_files(checkpoint)
     if legacy:
         if any(os.path.abspath(out) == os.path.abspath(f) for f in legacy):
@@ -41,7 +44,16 @@ def consolidate(checkpoint: str, out: str, data: str | None = None) -> str:
         model = legacy_fairscale.add_module_aliases(model, cfg, data)
     else:
         state = read_checkpoint_file(checkpoint)
-        model = _fsdp2_model(checkpoint, state)
+        if out_format == "hf" and "fsdp2" not in state:
+            model = state["model"]  # already consolidated
+        else:
+            model = _fsdp2_model(checkpoint, state)
+    if out_format == "hf":
+        cfg = _stock_cfg(state.get("cfg"))
+        model_cfg = cfg.get("model") if isinstance(cfg, dict) else None
+        if not isinstance(model_cfg, dict):
+            raise CheckpointError(f"{checkpoint} has no model config (cfg.model)")
+        return hf_nllb.export(model, model_cfg, out)
     return _write(state, model, out)
 
 
@@ -134,7 +146,12 @@ def main(argv=None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a checkpoint file saved by --ddp-backend fsdp2, or "
                         "legacy FSDP's NAME-shard0.pt (or NAME.pt) from --use-sharded-state")
-    parser.add_argument("out", help="the consolidated .pt file to write")
+    parser.add_argument("out", help="the consolidated .pt file to write (with --format hf: the "
+                        "model directory to write; it must not exist or be empty)")
+    parser.add_argument("--format", choices=("fairseq", "hf"), default="fairseq",
+                        help="fairseq: one stock fairseq checkpoint file; hf: a Hugging Face "
+                        "NLLB model directory (config.json, model.safetensors) that "
+                        "transformers' M2M100ForConditionalGeneration.from_pretrained loads")
     parser.add_argument("--data", help="legacy FSDP shards: the data directory, if it is no "
                         "longer where the checkpoint's cfg says (to build the model)")
     args = parser.parse_args(argv)
@@ -142,7 +159,7 @@ def main(argv=None) -> int:
         print("fairseq_fsdp2: error: OUT must differ from CHECKPOINT", file=sys.stderr)
         return 2
     try:
-        consolidate(args.checkpoint, args.out, args.data)
+        consolidate(args.checkpoint, args.out, args.data, args.format)
     except CheckpointError as e:
         print(f"fairseq_fsdp2: error: {e}", file=sys.stderr)
         return 2

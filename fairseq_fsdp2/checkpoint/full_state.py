@@ -4,6 +4,7 @@ model and optimizer: each tensor is cut into this rank's shard.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Optional
 
 import torch
@@ -39,18 +40,20 @@ def _shard_state(optimizer, state_dict):
     return state_dict
 
 
-def broadcast_full_model(model: torch.nn.Module, full: Optional[dict], describe: str) -> None:
+def broadcast_full_model(model: torch.nn.Module, full: Optional[Mapping], describe: str,
+                         problem: Optional[str] = None) -> None:
     """Fill a sharded model from a full state dict held by rank 0 only (``full`` is None on
     the other ranks), one tensor at a time: each rank receives the tensor, keeps its shard
-    and frees the rest, so no rank but 0 ever holds the full model. ``describe`` names the
-    source in errors."""
+    and frees the rest, so no rank but 0 ever holds the full model. ``full`` may be any
+    mapping, e.g. lazy views of a memory-mapped file. ``describe`` names the source in
+    errors; ``problem``: rank 0 could not read it (raised on every rank)."""
     own, seen = {}, set()
     for key, target in model.state_dict(keep_vars=True).items():  # persistent state only
         if id(target) not in seen:  # a tied weight once, under its first name
             seen.add(id(target))
             own[key] = target
-    problem = [None]
-    if dist.get_rank() == 0:
+    problem = [problem]
+    if dist.get_rank() == 0 and problem[0] is None:
         missing = sorted(set(own) - set(full))
         wrong = sorted(k for k in set(own) & set(full) if tuple(full[k].shape) != tuple(own[k].shape))
         if missing or wrong:

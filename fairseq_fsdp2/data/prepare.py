@@ -14,7 +14,9 @@ tokens (``__eng_Latn__ 1``) at its end, where NLLB has them; binarize each pair 
 Output, in DEST: ``{split}.{src}-{tgt}.{lang}.{bin,idx}``, ``dict.{lang}.txt`` for every language
 of the data (copies of the one shared dictionary), ``dict.txt`` (the same), ``spm.model``,
 ``langs.txt`` and ``lang_pairs.txt`` (comma-separated, ready for ``--langs`` and
-``--lang-pairs``). Everything is written into a temporary directory next to DEST and renamed at
+``--lang-pairs``). With ``--hf-model DIR`` (Hugging Face NLLB weights) the SentencePiece model
+and the dictionary come from DIR: every token on the row HF's tokenizer gives it, the model's
+languages in its order (data/hf_vocab.py). Everything is written into a temporary directory next to DEST and renamed at
 the end, so a failed run leaves no half-written DEST behind.
 
 Errors are one line on stderr starting ``prepare_data: error:``, with a non-zero exit status.
@@ -35,6 +37,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import sentencepiece as spm
+
+from . import hf_vocab
 
 SPLITS = ("train", "valid", "test")
 LANG_CODE = re.compile(r"^[a-z]{3}_[A-Z][a-z]{3}$")
@@ -252,7 +256,7 @@ def prepare(raw_dir: Path, dest: Path, *, lang_pairs: Optional[str] = None,
             spm_type: str = "unigram", spm_max_sentences: int = 1_000_000,
             dictionary: Optional[Path] = None, dict_langs: str = "data",
             allow_non_nllb_langs: bool = False, workers: int = 1, overwrite: bool = False,
-            seed: int = 1, log=print) -> Path:
+            seed: int = 1, hf_model: Optional[Path] = None, log=print) -> Path:
     """Validate, encode and binarize raw_dir into dest (see the module docstring)."""
     raw_dir, dest = Path(raw_dir), Path(dest)
     if not raw_dir.is_dir():
@@ -266,6 +270,15 @@ def prepare(raw_dir: Path, dest: Path, *, lang_pairs: Optional[str] = None,
             raise PrepareError(f"{name} file {path} does not exist")
     if dictionary is not None:
         read_dict_tokens(Path(dictionary))
+    hf_lines = None
+    if hf_model is not None:
+        if spm_model is not None or dictionary is not None:
+            raise PrepareError("--hf-model brings its own SentencePiece model and dictionary: "
+                               "leave out --spm-model and --dict")
+        try:
+            spm_model, hf_lines, hf_langs = hf_vocab.dictionary_for(Path(hf_model))
+        except ValueError as e:
+            raise PrepareError(f"--hf-model: {e}") from None
 
     pairs = (parse_pairs(lang_pairs, allow_non_nllb_langs) if lang_pairs
              else discover_pairs(raw_dir, allow_non_nllb_langs))
@@ -276,6 +289,11 @@ def prepare(raw_dir: Path, dest: Path, *, lang_pairs: Optional[str] = None,
     # language tokens for the dictionary, in this order; also written to langs.txt
     append_langs = langs if dict_langs == "data" else \
         list(NLLB200_LANGS) + [lang for lang in langs if lang not in NLLB200_LANGS]
+    if hf_lines is not None:
+        missing = [lang for lang in langs if lang not in hf_langs]
+        if missing:
+            raise PrepareError(f"language {missing[0]} is not in the tokenizer of {hf_model}")
+        append_langs = hf_langs
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
@@ -307,8 +325,8 @@ def prepare(raw_dir: Path, dest: Path, *, lang_pairs: Optional[str] = None,
                     encoded_train.append(out)
             log(f"encoded {split} {pair.name}: {n} lines")
 
-        dict_lines = build_dictionary(encoded_train, append_langs,
-                                      Path(dictionary) if dictionary else None)
+        dict_lines = hf_lines or build_dictionary(encoded_train, append_langs,
+                                                  Path(dictionary) if dictionary else None)
         dict_path = tmp / "dict.txt"
         dict_path.write_text("".join(line + "\n" for line in dict_lines), encoding="utf-8")
         log(f"dictionary: {len(dict_lines) + len(FAIRSEQ_SPECIALS)} entries "
@@ -362,6 +380,11 @@ def main(argv=None) -> None:
                         help="language tokens appended to the dictionary: the data's languages, "
                         "or all 202 NLLB-200 languages in NLLB's order (as the NLLB-200 "
                         "checkpoints expect, with the NLLB --spm-model and --dict)")
+    parser.add_argument("--hf-model", type=Path,
+                        help="a Hugging Face NLLB model directory (config.json, "
+                        "sentencepiece.bpe.model, tokenizer files): encode with its "
+                        "SentencePiece model and write the dictionary that puts every token "
+                        "on the embedding row of its tokenizer, for --finetune-from-model DIR")
     parser.add_argument("--allow-non-nllb-langs", action="store_true",
                         help="accept well-formed codes that are not NLLB-200 languages")
     parser.add_argument("--workers", type=int, default=1, help="fairseq-preprocess workers")

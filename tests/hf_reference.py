@@ -1,0 +1,88 @@
+"""The Hugging Face side of tests/test_hf_nllb.py: a program run in its own process with the
+test-only transformers on its path (never in the pytest process or the fairseq ranks).
+
+    python hf_reference.py make SPM_MODEL OUT_DIR REQUEST.json RESULT.json
+        a tiny NLLB model as the hub has them, written by transformers itself: random weights
+        (M2M100ForConditionalGeneration, saved with save_pretrained as safetensors), the
+        SentencePiece model and the NllbTokenizer files; then what ``check`` computes.
+    python hf_reference.py check MODEL_DIR REQUEST.json RESULT.json
+        load MODEL_DIR with from_pretrained and compute, in eval mode:
+        - ``logits`` of ``src`` (left-padded with 1) / ``prev`` (decoder input) token ids;
+        - greedy ``generate`` of each ``gen_src`` sentence (forced first token: the target
+          language, as NLLB does), its tokens and the smallest gap between the best and the
+          second-best logit over the steps (how far from a tie each greedy choice was);
+        - the tokenizer's ids of ``texts`` (source side, ``src_lang``) and its whole
+          vocabulary (token -> id), when it has one.
+"""
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+
+def compute(model, tokenizer, request: dict) -> dict:
+    result = {}
+    src = torch.tensor(request["src"])
+    with torch.no_grad():
+        out = model(input_ids=src, attention_mask=src.ne(1).long(),
+                    decoder_input_ids=torch.tensor(request["prev"]))
+    result["logits"] = out.logits.tolist()
+    generated, gaps, largest = [], [], 0.0
+    for ids in request["gen_src"]:
+        out = model.generate(torch.tensor([ids]), num_beams=1, do_sample=False,
+                             forced_bos_token_id=request["tgt_lang_id"],
+                             max_new_tokens=request["max_new_tokens"],
+                             output_scores=True, return_dict_in_generate=True)
+        tokens = out.sequences[0].tolist()
+        generated.append(tokens)
+        for step in out.scores[1:]:  # the first step is forced
+            top = step[0].topk(2).values
+            gaps.append(float(top[0] - top[1]))
+            largest = max(largest, float(step[0][step[0].isfinite()].abs().max()))
+    result["generated"] = generated
+    result["min_gap"], result["max_logit"] = min(gaps, default=None), largest
+    if tokenizer is not None:
+        tokenizer.src_lang = request["src_lang"]
+        result["text_ids"] = [tokenizer(t).input_ids for t in request["texts"]]
+        result["vocab"] = tokenizer.get_vocab()
+    return result
+
+
+def make(spm_model: str, out: Path, request: dict) -> dict:
+    from transformers import AutoTokenizer, M2M100Config, M2M100ForConditionalGeneration
+    from transformers.models.nllb.tokenization_nllb import FAIRSEQ_LANGUAGE_CODES
+
+    out.mkdir(parents=True)
+    shutil.copyfile(spm_model, out / "sentencepiece.bpe.model")
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "NllbTokenizer", "additional_special_tokens": FAIRSEQ_LANGUAGE_CODES}))
+    tokenizer = AutoTokenizer.from_pretrained(out, src_lang=request["src_lang"])
+    tokenizer.save_pretrained(out)
+    # two rows more than the tokenizer has tokens, as NLLB-200's 256,206 for 256,204
+    config = M2M100Config(vocab_size=len(tokenizer) + 2, **request["config"])
+    torch.manual_seed(request["seed"])
+    model = M2M100ForConditionalGeneration(config).eval()
+    model.save_pretrained(out)
+    request = dict(request, tgt_lang_id=tokenizer.convert_tokens_to_ids(request["tgt_lang"]))
+    return dict(compute(model, tokenizer, request), tgt_lang_id=request["tgt_lang_id"],
+                vocab_size=config.vocab_size)
+
+
+def check(model_dir: Path, request: dict) -> dict:
+    from transformers import M2M100ForConditionalGeneration
+
+    model = M2M100ForConditionalGeneration.from_pretrained(model_dir).eval()
+    return compute(model, None, request)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    if sys.argv[1] == "make":
+        spm, out, req, res = sys.argv[2:]
+        result = make(spm, Path(out), json.loads(Path(req).read_text()))
+    else:
+        model_dir, req, res = sys.argv[2:]
+        result = check(Path(model_dir), json.loads(Path(req).read_text()))
+    Path(res).write_text(json.dumps(result))

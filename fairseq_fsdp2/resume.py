@@ -10,7 +10,8 @@ and every update after the resume differs (stock fairseq too). The saved iterato
 give it its epoch. Iterators that are not cached (``--update-epoch-batch-itr``, datasets that
 cannot reuse one, sharded data, tasks with their own per-epoch batching such as
 translation_multi_simple_epoch's temperature sampling) are rebuilt every epoch by the
-uninterrupted run as well: those are built at the real epoch, as before.
+uninterrupted run as well: those are built at the real epoch, as before; a dataset with
+virtual epochs first replays the earlier ones (``replay_virtual_epochs``).
 """
 from __future__ import annotations
 
@@ -26,16 +27,22 @@ FIRST_EPOCH = 1
 
 
 @contextlib.contextmanager
-def batches_as_first_built(task, cfg, epoch: int, disable_iterator_cache: bool):
-    """While fairseq's ``Trainer.get_train_iterator(epoch)`` runs: the dataset is loaded for
-    ``epoch`` as usual, but a train iterator the task will cache is built as at epoch 1."""
-    if epoch == FIRST_EPOCH or disable_iterator_cache or cfg.dataset.update_epoch_batch_itr:
+def batches_as_first_built(task, cfg, epoch: int, disable_iterator_cache: bool,
+                           resuming: bool):
+    """While fairseq's ``Trainer.get_train_iterator(epoch)`` runs for the first time in a
+    process (``resuming``): the dataset is loaded for ``epoch`` as usual, but a train iterator
+    the task will cache is built as at epoch 1, and a dataset with virtual epochs is brought to
+    the state the uninterrupted run's was in."""
+    if not resuming or epoch == FIRST_EPOCH or disable_iterator_cache:
         yield
         return
     fairseq_get_batch_iterator = task.get_batch_iterator
 
     def get_batch_iterator(dataset, **kwargs):
-        if dataset in task.dataset_to_epoch_iter or not task.can_reuse_epoch_itr(dataset):
+        if not task.has_sharded_data(cfg.dataset.train_subset):
+            replay_virtual_epochs(dataset, epoch)
+        if dataset in task.dataset_to_epoch_iter or not task.can_reuse_epoch_itr(dataset) \
+                or cfg.dataset.update_epoch_batch_itr:
             return fairseq_get_batch_iterator(dataset, **kwargs)
         first = dict(kwargs, epoch=FIRST_EPOCH)
         if cfg.dataset.update_ordered_indices_seed:  # fairseq passed seed + epoch
@@ -52,6 +59,18 @@ def batches_as_first_built(task, cfg, epoch: int, disable_iterator_cache: bool):
         yield
     finally:
         del task.get_batch_iterator
+
+
+def replay_virtual_epochs(dataset, epoch: int) -> None:
+    """translation_multi_simple_epoch with --virtual-epoch-size (SampledMultiEpochDataset):
+    each pass over the sampled data draws its indices at the pass's first virtual epoch, seeded
+    with that epoch, and later virtual epochs only move an offset. A dataset built for a resumed
+    epoch draws them seeded with the resumed epoch instead (stock fairseq too). Replay the
+    epochs before it, as the uninterrupted run did (only a pass's first epoch costs a draw)."""
+    if getattr(dataset, "virtual_epoch_size", None) is None:
+        return
+    for earlier in range(FIRST_EPOCH, epoch):
+        dataset.set_epoch(earlier)
 
 
 # fairseq counts --patience in attributes of fairseq_cli.train.should_stop_early (the best score

@@ -200,7 +200,9 @@ class FSDP2Trainer(Trainer):
     def get_train_iterator(self, epoch, combine=True, load_dataset=True, data_selector=None,
                            shard_batch_itr=True, disable_iterator_cache=False):
         # a resumed run batches the data as the uninterrupted run did (resume.py)
-        with resume.batches_as_first_built(self.task, self.cfg, epoch, disable_iterator_cache):
+        resuming, self._iterator_built = not getattr(self, "_iterator_built", False), True
+        with resume.batches_as_first_built(self.task, self.cfg, epoch, disable_iterator_cache,
+                                           resuming):
             return super().get_train_iterator(epoch, combine, load_dataset, data_selector,
                                               shard_batch_itr, disable_iterator_cache)
 

@@ -55,10 +55,11 @@ def allow_fairseq_checkpoint_classes() -> None:
 
 def python_numbers(value):
     """``value`` with every numpy scalar turned into its Python number and every numpy array
-    into a tensor, in nested dicts, lists and tuples: what the plugin writes holds no numpy."""
+    of numbers into a tensor, in nested dicts, lists and tuples: what the plugin writes holds
+    no numpy (fairseq's own meters add tensors and arrays alike)."""
     if isinstance(value, np.generic):
         return value.item()
-    if isinstance(value, np.ndarray):
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
         return torch.from_numpy(value)
     if isinstance(value, dict):
         out = value.copy()  # keeps the dict's class (OrderedDict, defaultdict)

@@ -34,7 +34,7 @@ pin() {  # the pinned version of a pip name
 
 if [[ "${1:-}" == "prepare" ]]; then
   pyver="${2:-3.12}"
-  mkdir -p "$wheels"
+  rm -rf "$wheels" && mkdir -p "$wheels"  # one Python's set only (it travels: 64 MiB at most)
   binary=() source=()
   for entry in "${needed[@]}"; do
     name="${entry%%:*}"
@@ -81,9 +81,10 @@ start=$(date +%s)
 env_dir="$root/.gpu-env"
 if [[ ! -x "$env_dir/bin/python" ]]; then
   "$py" -m venv --without-pip "$env_dir"
-  base_site="$("$py" -c 'import site; print("\n".join(site.getsitepackages()))')"
   env_site="$("$env_dir/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-  echo "$base_site" >"$env_site/_gpu_check_base.pth"
+  # addsitedir, not a plain path line: the machine's own .pth files must run too
+  "$py" -c 'import site; print("".join(f"import site; site.addsitedir({d!r})\n" for d in site.getsitepackages()))' \
+    >"$env_site/_gpu_check_base.pth"
 fi
 epy="$env_dir/bin/python"
 missing=()

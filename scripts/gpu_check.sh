@@ -20,7 +20,7 @@ wheels="$root/.whl"
 # import name. Versions come from requirements*.txt (one pinned set).
 needed=(hydra-core:hydra omegaconf:omegaconf antlr4-python3-runtime:antlr4 bitarray:bitarray
         regex:regex sacrebleu:sacrebleu tqdm:tqdm scikit-learn:sklearn sentencepiece:sentencepiece
-        packaging:packaging pytest:pytest iniconfig:iniconfig pluggy:pluggy)
+        packaging:packaging pytest:pytest iniconfig:iniconfig pluggy:pluggy pygments:pygments)
 pin() {  # the pinned version of a pip name
   local v
   v="$(grep -hiE "^$1==" "$root"/requirements*.txt | head -1 | sed -E 's/^[^=]+==([^ #]+).*/\1/')"
@@ -28,6 +28,7 @@ pin() {  # the pinned version of a pip name
     antlr4-python3-runtime) v="${v:-4.9.3}" ;;  # hydra-core 1.3.2: antlr4-python3-runtime==4.9.*
     iniconfig) v="${v:-2.1.0}" ;;
     pluggy) v="${v:-1.6.0}" ;;
+    pygments) v="${v:-2.21.0}" ;;
   esac
   echo "$v"
 }

@@ -20,7 +20,7 @@ wheels="$root/.whl"
 # import name. Versions come from requirements*.txt (one pinned set).
 needed=(hydra-core:hydra omegaconf:omegaconf antlr4-python3-runtime:antlr4 bitarray:bitarray
         regex:regex sacrebleu:sacrebleu tqdm:tqdm scikit-learn:sklearn sentencepiece:sentencepiece
-        packaging:packaging pytest:pytest iniconfig:iniconfig pluggy:pluggy)
+        packaging:packaging pytest:pytest iniconfig:iniconfig pluggy:pluggy pygments:pygments)
 pin() {  # the pinned version of a pip name
   local v
   v="$(grep -hiE "^$1==" "$root"/requirements*.txt | head -1 | sed -E 's/^[^=]+==([^ #]+).*/\1/')"
@@ -28,13 +28,14 @@ pin() {  # the pinned version of a pip name
     antlr4-python3-runtime) v="${v:-4.9.3}" ;;  # hydra-core 1.3.2: antlr4-python3-runtime==4.9.*
     iniconfig) v="${v:-2.1.0}" ;;
     pluggy) v="${v:-1.6.0}" ;;
+    pygments) v="${v:-2.21.0}" ;;
   esac
   echo "$v"
 }
 
 if [[ "${1:-}" == "prepare" ]]; then
   pyver="${2:-3.12}"
-  mkdir -p "$wheels"
+  rm -rf "$wheels" && mkdir -p "$wheels"  # one Python's set only (it travels: 64 MiB at most)
   binary=() source=()
   for entry in "${needed[@]}"; do
     name="${entry%%:*}"
@@ -81,9 +82,10 @@ start=$(date +%s)
 env_dir="$root/.gpu-env"
 if [[ ! -x "$env_dir/bin/python" ]]; then
   "$py" -m venv --without-pip "$env_dir"
-  base_site="$("$py" -c 'import site; print("\n".join(site.getsitepackages()))')"
   env_site="$("$env_dir/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-  echo "$base_site" >"$env_site/_gpu_check_base.pth"
+  # addsitedir, not a plain path line: the machine's own .pth files must run too
+  "$py" -c 'import site; print("".join(f"import site; site.addsitedir({d!r})\n" for d in site.getsitepackages()))' \
+    >"$env_site/_gpu_check_base.pth"
 fi
 epy="$env_dir/bin/python"
 missing=()

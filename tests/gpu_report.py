@@ -15,8 +15,12 @@ RESULT = re.compile(r"^(tests/\S+::\S+(?:\[[^\]]*\])?) (PASSED|FAILED|SKIPPED|ER
 
 def machine() -> list[str]:
     import torch
+    try:
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    except (AttributeError, RuntimeError):  # a torch without NCCL (GPU_CHECK_ALLOW_CPU)
+        nccl = "none"
     rows = [f"- Python {platform.python_version()}, torch {torch.__version__} "
-            f"(CUDA {torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))})"]
+            f"(CUDA {torch.version.cuda}, NCCL {nccl})"]
     try:
         import fairseq
         rows.append(f"- fairseq {fairseq.__version__}")
@@ -71,7 +75,8 @@ def main() -> None:
              + ", ".join(f"{v} {k.lower()}" for k, v in counts.items() if v) + ".", "",
              "## Tests", "", "| test | result | note |", "|---|---|---|"]
     lines += [f"| `{name.split('::', 1)[1]}` | {outcome} | {note.replace('|', '/')} |"
-              for name, outcome, note in rows]
+              for name, outcome, note in rows] or [
+        "| (no test result: pytest did not run them, see .gpu-check/pytest.log) | | |"]
     table = work / "estimates.jsonl"
     lines += ["", "## Estimator (`--device cuda`) against the measured allocator peak", "",
               "One GPU, FSDP2 per-layer plan, root reshard always, fp32 Adam; measured: the "

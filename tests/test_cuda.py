@@ -323,7 +323,8 @@ def test_two_gpus_plain_fairseq_train_runs_the_plugin_in_each_worker(corpus, tmp
 
 
 @two_gpus
-def test_two_gpus_bad_option_in_spawned_workers_is_one_line(corpus, tmp_path):
+def test_two_gpus_bad_option_without_torchrun_is_one_line(corpus, tmp_path):
+    """Checked before any worker is spawned: one line, exit 2, no traceback."""
     proc = run(tiny(corpus, tmp_path, *FSDP2, "--fsdp2-reshard-degree", "3"), gpus=2)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "fairseq_fsdp2: error: --fsdp2-reshard-degree 3" in proc.stderr

@@ -5,7 +5,9 @@ documented text, no traceback, a non-zero exit, and nothing written: the --save-
 does not appear, the files it reads are unchanged.
 """
 import datetime
+import json
 import re
+import shutil
 
 import pytest
 import torch
@@ -14,6 +16,8 @@ import fairseq_fsdp2  # noqa: F401  (allow-lists the classes fairseq pickles for
 
 from conftest import PLUGIN, REPO, TINY_MODEL, TRAINING
 from launcher import run_ranks
+
+from fairseq_fsdp2.checkpoint.consolidate import consolidate
 
 FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", "--num-workers", "0"]
 PROBES = str(REPO / "tests" / "probes")
@@ -55,9 +59,18 @@ def files(corpus, tmp_path_factory):
     torch.save({"model": {}, "when": datetime.date(2026, 11, 30)}, stranger)
     plain_file = root / "plain-file"
     plain_file.write_text("")
+    hf = root / "hf"  # the good checkpoint in the Hugging Face format, and one of another kind
+    consolidate(str(good), str(hf), out_format="hf")
+    bart = root / "hf-bart"
+    shutil.copytree(hf, bart)
+    config = json.loads((bart / "config.json").read_text())
+    (bart / "config.json").write_text(json.dumps(
+        {**config, "model_type": "bart", "architectures": ["BartForConditionalGeneration"]}))
+    (root / "no-model").mkdir()
     return {"good": good, "missing_shard": missing_shard / "checkpoint_last.pt",
             "shard_dir": missing_shard / shards.relative_to(save), "text": text,
             "truncated": truncated, "stranger": stranger, "absent": root / "absent.pt",
+            "hf": hf, "hf_bart": bart, "no_model": root / "no-model",
             "plain_file": plain_file, "corpus": corpus}
 
 
@@ -108,6 +121,14 @@ CATALOGUE = {
     "`--restore-file` or `--finetune-from-model` that does not exist": [
         (1, ["--restore-file", "{absent}"], "--restore-file not found: {absent}"),
         (2, ["--finetune-from-model", "{absent}"], "--finetune-from-model not found: {absent}")],
+    "Hugging Face weights (`--finetune-from-model DIR`) of another model or layer count, or a "
+    "directory without them": [
+        (2, ["--finetune-from-model", "{hf_bart}"], "{hf_bart} is a Hugging Face 'bart' model "
+         "(BartForConditionalGeneration), not NLLB (model_type 'm2m_100'"),
+        (2, ["--finetune-from-model", "{hf}", "--encoder-layers", "3"],
+         "{hf} has 2 encoder and 2 decoder layers, the model (--arch transformer) 3 and 2"),
+        (1, ["--finetune-from-model", "{no_model}"], "--finetune-from-model {no_model} is a "
+         "directory without a Hugging Face model in it")],
     "a `--restore-file` that is not a checkpoint, or is truncated": [
         (1, ["--restore-file", "{text}"],
          "cannot read checkpoint {text}: not a PyTorch checkpoint"),

@@ -3,7 +3,8 @@
 Why not the package: the plugin reads Hugging Face weights in every training run that
 fine-tunes from them, and the format is small enough to own (8-byte little-endian header
 length, a JSON header ``{name: {dtype, shape, data_offsets}}`` plus optional ``__metadata__``,
-then the raw little-endian bytes). Reading memory-maps the file: a tensor is a view of its
+then the raw little-endian bytes; read and written as they are, so on little-endian hosts,
+x86-64 and ARM). Reading memory-maps the file: a tensor is a view of its
 pages, read from disk only when copied (the plugin broadcasts one tensor at a time), so a
 multi-GB checkpoint costs no memory up front. The tests check both directions against the
 real ``safetensors`` package and ``transformers`` (test-only requirements).

@@ -16,8 +16,8 @@ of the data (copies of the one shared dictionary), ``dict.txt`` (the same), ``sp
 ``langs.txt`` and ``lang_pairs.txt`` (comma-separated, ready for ``--langs`` and
 ``--lang-pairs``). With ``--hf-model DIR`` (Hugging Face NLLB weights) the SentencePiece model
 and the dictionary come from DIR: every token on the row HF's tokenizer gives it, the model's
-languages in its order (data/hf_vocab.py). Everything is written into a temporary directory next to DEST and renamed at
-the end, so a failed run leaves no half-written DEST behind.
+languages in its order (data/hf_vocab.py). Everything is written into a temporary directory
+next to DEST and renamed at the end, so a failed run leaves no half-written DEST behind.
 
 Errors are one line on stderr starting ``prepare_data: error:``, with a non-zero exit status.
 """

@@ -21,14 +21,15 @@ U_BF16 = 2.0 ** -8
 
 #: Two float32 runs of the same model on the same data whose sums are associated in another
 #: order (a gradient reduced over other ranks or micro-batches, a norm summed shard by shard).
-#: Each reordered sum of n terms differs by at most about n x U32 relative (n: at most a few
-#: thousand tokens per update here, so <= 1e-4 in the worst case, 1e-6 typically); Adam divides
-#: each gradient element by its own running magnitude, so a relative perturbation of the
-#: gradients moves the parameters by the same relative amount of one lr-sized step, and the
-#: printed loss and gradient norm of the following updates inherit it without growth over the
-#: <= 20 updates of these runs (lr 1e-3: a step changes the loss by < 1%). 1e-4 relative covers
-#: the worst case of the first bound; parameters whose exact gradient is zero move in other ways
-#: (``adam_drift_bound``) but change no loss.
+#: A reassociated sum of n terms differs by at most n x U32 of the terms' magnitude: with the
+#: few hundred to thousand terms per sum of these tiny runs, <= 1e-4 relative at worst (1e-6
+#: typically). Adam divides each gradient element by its own running magnitude, so a relative
+#: perturbation of the gradients changes each step by that fraction of an lr-sized step, which
+#: changes the next loss by that fraction of what the step changed it by; over the <= 20
+#: updates of these runs (lr 1e-3) that stays below the per-sum bound, so 1e-4 relative covers
+#: the printed loss and gradient norm. Parameters whose exact gradient is zero move in other
+#: ways (``adam_drift_bound``) but change no loss. Measured: 0 at the printed precision
+#: against stock DDP over 20 updates.
 FP32_REORDERED = 1e-4
 
 

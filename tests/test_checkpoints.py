@@ -208,7 +208,8 @@ def test_pretrained_stock_checkpoint_loads_without_full_copies_on_every_rank(cor
     proc = subprocess.run([str(BIN / "fairseq-train"), str(corpus), *big, *TRAINING,
                            "--max-update", "1", "--save-dir", str(stock_dir),
                            "--no-save-optimizer-state", "--no-epoch-checkpoints"],
-                          env=base_env(), capture_output=True, text=True, timeout=300)
+                          # a hang guard: ~20 s when idle, minutes on a loaded machine
+                          env=base_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     pretrained = stock_dir / "checkpoint_last.pt"
     model = torch.load(pretrained, weights_only=True, mmap=True)["model"]

@@ -38,15 +38,20 @@ def corpus(tmp_path_factory) -> Path:
     return make_corpus(tmp_path_factory.mktemp("corpus"))
 
 
+def train_args_for(corpus: Path, save_dir: Path, *extra, save=False, updates=10) -> list[str]:
+    """fairseq-train arguments for the tiny model; add the backend and run-specific flags."""
+    args = [str(corpus), "--user-dir", PLUGIN, *TINY_MODEL, *TRAINING,
+            "--max-update", str(updates), "--save-dir", str(save_dir)]
+    if not save:
+        args.append("--no-save")
+    return args + [str(a) for a in extra]
+
+
 @pytest.fixture
 def train_args(corpus, tmp_path):
-    """fairseq-train arguments for the tiny model; add the backend and run-specific flags."""
+    """train_args_for with a save dir of the test's own (tmp_path/ckpt)."""
     def build(*extra, save=False, updates=10):
-        args = [str(corpus), "--user-dir", PLUGIN, *TINY_MODEL, *TRAINING,
-                "--max-update", str(updates), "--save-dir", str(tmp_path / "ckpt")]
-        if not save:
-            args.append("--no-save")
-        return args + [str(a) for a in extra]
+        return train_args_for(corpus, tmp_path / "ckpt", *extra, save=save, updates=updates)
     return build
 
 

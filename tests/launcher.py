@@ -82,7 +82,9 @@ class ForkServer:
         with self._lock:
             self._proc.stdin.write(json.dumps(request) + "\n")
             self._proc.stdin.flush()
-        return Forked(self, key, self._wait_for(key, "pid", 60), out)
+        # the first answer comes after the server has imported torch and fairseq: seconds when
+        # idle, minutes on a loaded 2-core machine; a dead server is reported at once instead
+        return Forked(self, key, self._wait_for(key, "pid", 900), out)
 
 
 class Forked:

@@ -50,6 +50,10 @@ def files(corpus, tmp_path_factory):
     (missing_shard / shards.relative_to(save)).mkdir()
     (missing_shard / shards.relative_to(save) / ".metadata").write_bytes(
         (shards / ".metadata").read_bytes())
+    short_shard = root / "short-shard"
+    shutil.copytree(save, short_shard)
+    shard = short_shard / shards.relative_to(save) / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     text = root / "notes.pt"
     text.write_text("not a checkpoint\n")
     truncated = root / "truncated.pt"
@@ -71,7 +75,8 @@ def files(corpus, tmp_path_factory):
             "shard_dir": missing_shard / shards.relative_to(save), "text": text,
             "truncated": truncated, "stranger": stranger, "absent": root / "absent.pt",
             "hf": hf, "hf_bart": bart, "no_model": root / "no-model",
-            "plain_file": plain_file, "corpus": corpus}
+            "plain_file": plain_file, "corpus": corpus,
+            "short_shard": short_shard / "checkpoint_last.pt", "short_shard_file": shard}
 
 
 # README row -> cases: (ranks (0: one process, not under torchrun), extra flags (may name
@@ -144,7 +149,13 @@ CATALOGUE = {
         (1, ["optimisation.lr=[0.1]"], "optimisation.lr: optimisation is not a config group",
          HYDRA)],
     "a sharded checkpoint with a missing or short shard": [
-        (1, ["--restore-file", "{missing_shard}"], "shard file missing: {shard_dir}/__0_0.distcp")],
+        (1, ["--restore-file", "{missing_shard}"], "shard file missing: {shard_dir}/__0_0.distcp"),
+        (1, ["--restore-file", "{short_shard}"], "shard file truncated: {short_shard_file} (")],
+    "resuming mid-epoch on a number of ranks that does not divide the batches done": [
+        # the checkpoint: 1 rank, 2 updates, 2 batches into the epoch
+        (3, ["--restore-file", "{good}"], "cannot resume mid-epoch at 3 ranks: the checkpoint "
+                                          "(saved at 1 ranks) is 2 batches into the epoch, not "
+                                          "a multiple of 3")],
     "a checkpoint of another model config": [
         (1, ["--restore-file", "{good}", "--encoder-ffn-embed-dim", "48"],
          "{good} does not fit this model: encoder.layers.0.fc1.bias checkpoint (64,) vs "

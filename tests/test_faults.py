@@ -35,7 +35,13 @@ def fault_points(seed: int, n: int = 10) -> list[tuple[str, int, str]]:
     return points
 
 
-def run(train_args, save_dir, fault=None, tmp_path=None, updates=UPDATES, timeout=120):
+# A run that hangs is killed by the launcher after HANG_S (and says so in its output); runs
+# take seconds when the machine is idle, HANG_S leaves room for a loaded one. No test here
+# times a run: a rank that stopped by itself is told apart by its exit status and its message.
+HANG_S = 600
+
+
+def run(train_args, save_dir, fault=None, tmp_path=None, updates=UPDATES, timeout=HANG_S):
     env = {"PYTHONPATH": PROBES}
     if fault:
         env["FAULT"] = fault
@@ -70,20 +76,29 @@ def test_killed_ranks_are_named_and_restarts_reproduce_the_uninterrupted_run(tra
     points = fault_points(seed=2026)
     assert {p for p, _, _ in points} >= {"forward", "backward", "step", "shards"}
     assert {w for _, _, w in points} >= {"0", "1", "all"}
-    resume = 0
+    resume, compared = 0, 0
     for phase, update, who in points + [(None, None, None)]:
         fault = f"{phase}:{update}:{who}" if phase else None
-        results, seconds = run(train_args, save_dir, fault, tmp_path)
+        results, _ = run(train_args, save_dir, fault, tmp_path)
         where = f"run with FAULT={fault}"
-        out = results[0].output if who != "0" else results[1].output
-        assert resumed_at(results[0].output) == resume, f"{where}:\n{results[0].output[-3000:]}"
-        # every update this run made equals the uninterrupted run's
-        made = losses(results[0].output) if who != "0" else losses(results[1].output)
+        out = results[0].output
+        assert resumed_at(out) == resume, f"{where}:\n{out[-3000:]}"
+        # every update this run made equals the uninterrupted run's. Only rank 0 logs
+        # train_inner (fairseq sets other ranks' loggers to WARNING), so rank 0's log is read
+        # also when rank 0 is the killed one: it holds every update logged before the kill.
+        # A kill in forward/backward of update U comes before U is logged; a kill inside the
+        # save after update U comes after it; with a kill in rank 1's optimizer step, rank 0
+        # (past the last collective of U) may log U or not.
+        made = losses(out)
+        last = UPDATES if fault is None else update
+        surely = last if fault is None or phase in ("shards", "copy") else update - 1
+        assert list(range(resume + 1, surely + 1)) == sorted(made)[:surely - resume] and \
+            max(made, default=surely) <= last, f"{where}: logged {sorted(made)}:\n{out[-3000:]}"
         for n, value in made.items():
             assert value == expected[n], f"{where}: update {n}: {value} != {expected[n]}"
+        compared += len(made)
         if fault is None:
             assert all(r.returncode == 0 for r in results), out[-3000:]
-            assert max(made) == UPDATES
             break
         assert all(r.returncode != 0 for r in results), where
         if who != "all":
@@ -91,10 +106,12 @@ def test_killed_ranks_are_named_and_restarts_reproduce_the_uninterrupted_run(tra
             lines = [l for l in survivor.output.splitlines() if l.startswith("fairseq_fsdp2: error:")]
             assert len(lines) == 1 and f"lost rank {who}" in lines[0], \
                 f"{where}:\n{survivor.output[-3000:]}"
-        assert seconds < 90, where  # no hang
+        assert not any("[launcher] rank" in r.output for r in results), where  # no hang
         # the newest save that completed: a kill in the copy to checkpoint_last.pt comes after
         # checkpoint_1_<update>.pt was written whole
         resume = update if phase == "copy" else (update - 1) // SAVE_EVERY * SAVE_EVERY
+    # the restarts redo the updates lost since the last checkpoint: more than UPDATES compared
+    assert compared >= UPDATES, compared
 
 
 def test_a_hung_rank_is_named_after_the_heartbeat_timeout(train_args, tmp_path):
@@ -104,7 +121,7 @@ def test_a_hung_rank_is_named_after_the_heartbeat_timeout(train_args, tmp_path):
     args = train_args("--ddp-backend", "fsdp2", "--heartbeat-timeout", 5, "--num-workers", "0")
     procs = start_ranks(2, lambda r: args, module="fault_point", env=env)
     try:
-        survivor = finish_ranks(procs[:1], timeout=90)[0]
+        survivor = finish_ranks(procs[:1], timeout=HANG_S)[0]
     finally:
         procs[1].kill()
     assert survivor.returncode == 1, survivor.output[-3000:]
@@ -120,8 +137,9 @@ def test_a_rank_whose_peer_never_comes_gives_up_after_the_timeout(train_args):
            "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
     args = train_args("--ddp-backend", "fsdp2", "--heartbeat-timeout", 5)
     started = time.monotonic()
-    (r,) = run_ranks(1, lambda _: args, env=env, torchrun_env=False, timeout=90)
-    assert r.returncode == 1 and time.monotonic() - started < 60, r.output[-3000:]
+    # stopped by itself (exit 1, not killed by the launcher) long before torch's 30 minutes
+    (r,) = run_ranks(1, lambda _: args, env=env, torchrun_env=False, timeout=HANG_S)
+    assert r.returncode == 1 and time.monotonic() - started < 1800, r.output[-3000:]
     lines = [l for l in r.output.splitlines() if l.startswith("fairseq_fsdp2: error:")]
     assert len(lines) == 1 and lines[0].startswith(
         "fairseq_fsdp2: error: rank 1 could not meet the other ranks at env:// within "
@@ -167,7 +185,7 @@ def test_twenty_short_runs_exit_cleanly(train_args):
     args = train_args("--ddp-backend", "fsdp2", "--num-workers", "0", updates=1)
     codes = []
     for attempt in range(20):
-        results = finish_ranks(start_ranks(2, lambda r: args), timeout=60)
+        results = finish_ranks(start_ranks(2, lambda r: args), timeout=HANG_S)
         codes += [r.returncode for r in results]
         assert "done training" in results[0].output, results[0].output[-2000:]  # rank 0 logs
     assert codes == [0] * 40, codes

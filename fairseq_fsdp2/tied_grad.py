@@ -44,7 +44,21 @@ class _HubState:
         self.backward_started = True
         if self.buffer is None:
             self.buffer = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-        self.buffer.index_add_(0, index, rows.to(self.dtype))
+        self.buffer.index_add_(0, index, rows.to(self.buffer.dtype))
+
+    def add_dense(self, grad: torch.Tensor) -> None:
+        """buffer += grad: a whole weight gradient, taken over as the buffer if it is the first
+        (the fused vocabulary loss computes its share in forward; criterions/fused.py)."""
+        if self.buffer is None:
+            self.buffer = grad
+        else:
+            self.buffer.add_(grad)
+
+    def scale(self, factor: torch.Tensor) -> None:
+        """Scale what was added in forward by backward's grad_output (before any lookup's
+        rows arrive: they come from backward further down the graph)."""
+        if self.buffer is not None:
+            self.buffer.mul_(factor)
 
     def add_outer(self, grad_out: torch.Tensor, inputs: torch.Tensor) -> None:
         """buffer += grad_out^T @ inputs (the weight gradient of ``inputs @ weight^T``)."""
@@ -52,7 +66,7 @@ class _HubState:
         if self.buffer is None:
             self.buffer = grad_out.t().mm(inputs).to(self.dtype)
         else:
-            self.buffer.addmm_(grad_out.t(), inputs)
+            self.buffer.addmm_(grad_out.t().to(self.buffer.dtype), inputs.to(self.buffer.dtype))
 
     def take(self) -> Optional[torch.Tensor]:
         buffer, self.buffer = self.buffer, None

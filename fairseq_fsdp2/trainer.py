@@ -147,6 +147,9 @@ class FSDP2Trainer(Trainer):
     def train_step(self, samples, raise_oom=False):
         self._check_weights()
         self._overflowed = False
+        if hasattr(self.criterion, "loss_scale"):  # the fused loss: fp16 gradients pre-scaled
+            scaler = getattr(self.optimizer, "scaler", None)
+            self.criterion.loss_scale = None if scaler is None else scaler.loss_scale
         if self._heartbeat is not None:
             self._heartbeat.num_updates = self.get_num_updates()
         try:

@@ -30,6 +30,7 @@ from .errors import CheckpointError, OutOfMemory, SaveFailed, first_line
 from .memory import MemoryMonitor
 from .memory.monitor import current_gb, describe_last
 from .memory.breakdown import record_update
+from .options import tied_grad_buffer
 from .plan import ShardingPlan, build_plan
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ class FSDP2Trainer(Trainer):
 
     def _shard(self, model):
         dt = self.cfg.distributed_training
-        if dt.fsdp2_tied_grad_buffer:  # before sharding: it changes the tied modules' classes
+        if tied_grad_buffer(dt):  # before sharding: it changes the tied modules' classes
             tied_grad.install(model)
         world = dist.get_world_size() if dist.is_initialized() else 1
         plan = build_plan(

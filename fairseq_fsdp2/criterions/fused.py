@@ -48,8 +48,8 @@ def fused_pass(features: torch.Tensor, weight: torch.Tensor, target: torch.Tenso
     """One pass over the chunks. Returns ([loss, nll_loss] float32, n_correct or None,
     features gradient or None, weight gradient or None), gradients times ``grad_scale``.
 
-    ``weight_grad``: an object with ``add_dense(tensor)`` (the tied-gradient hub) that takes
-    each chunk's weight gradient instead of a buffer of this function's own."""
+    ``weight_grad``: the tied-gradient hub, whose ``add_outer(g, x, dtype)`` adds each chunk's
+    weight gradient into its one buffer in place, instead of a buffer of this function's own."""
     n, vocab = features.size(0), weight.size(0)
     gdtype = _grad_dtype(weight, grad_scale)
     scale = 1.0 if grad_scale is None else float(grad_scale)
@@ -59,7 +59,7 @@ def fused_pass(features: torch.Tensor, weight: torch.Tensor, target: torch.Tenso
     mm_weight = weight.to(gdtype) if need_grad else weight  # a copy only for unhinted fp16
     grad_features = features.new_empty(features.shape, dtype=gdtype) if need_features_grad \
         else None
-    grad_weight = None
+    sink = weight_grad if weight_grad is not None else _Buffer()
     sums = torch.zeros(2, dtype=torch.float32, device=features.device)
     n_correct = torch.zeros((), dtype=torch.long, device=features.device) if accuracy else None
     for start in range(0, n, chunk_tokens):
@@ -91,22 +91,27 @@ def fused_pass(features: torch.Tensor, weight: torch.Tensor, target: torch.Tenso
         g = g.to(gdtype)
         if need_features_grad:
             torch.mm(g, mm_weight, out=grad_features[start:start + chunk_tokens])
-        if need_weight_grad:
-            contribution = g.t().mm(x.to(gdtype))
-            if weight_grad is not None:
-                weight_grad.add_dense(contribution)
-            elif grad_weight is None:
-                grad_weight = contribution
-            else:
-                grad_weight.add_(contribution)
+        if need_weight_grad:  # in place into the one buffer: no vocab x dim temporary
+            sink.add_outer(g, x.to(gdtype), gdtype)
         del z, g
     if need_weight_grad and n == 0:  # every rank must hand FSDP2 a gradient
-        zeros = torch.zeros(weight.shape, dtype=gdtype, device=weight.device)
-        if weight_grad is not None:
-            weight_grad.add_dense(zeros)
-        else:
-            grad_weight = zeros
+        sink.add_outer(features.new_zeros((0, vocab), dtype=gdtype),
+                       features.new_zeros((0, features.size(1)), dtype=gdtype), gdtype)
+    grad_weight = sink.buffer if need_weight_grad and weight_grad is None else None
     return sums, n_correct, grad_features, grad_weight
+
+
+class _Buffer:
+    """The weight gradient's buffer when no tied-gradient hub takes it."""
+
+    def __init__(self) -> None:
+        self.buffer: Optional[torch.Tensor] = None
+
+    def add_outer(self, g: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> None:
+        if self.buffer is None:
+            self.buffer = g.t().mm(x).to(dtype)
+        else:
+            self.buffer.addmm_(g.t(), x)
 
 
 class _FusedVocabularyLoss(torch.autograd.Function):

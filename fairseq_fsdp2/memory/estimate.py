@@ -12,8 +12,10 @@ fairseq allocate and free, and the largest total is the peak:
   setting says so (a grouped unit: after its last module; the root: after the whole forward);
 - loss: the stock criterion holds the logits (tokens x vocab, compute dtype), their fp32 copy and
   the fp32 log-probabilities in forward, and 3 fp32 tokens x vocab tensors in backward (the saved
-  log-probabilities, the gradient flowing in and the one flowing out); the chunked criterion
-  holds the same for ``--loss-chunk-tokens`` tokens at a time;
+  log-probabilities, the gradient flowing in and the one flowing out); the fused chunked
+  criterion holds one chunk's fp32 logits (and their 16-bit copy) in forward, creates the weight
+  gradient there (with the tied-gradient buffer: the buffer itself), runs no projection in
+  backward and never gathers the shared unit in backward;
 - backward: the output projection's weight gradient (vocab x dim) stays in autograd's buffer until
   the tied embedding's last use (the encoder embedding); each use of the embedding produces a
   dense vocab x dim gradient that is added to it (3 such tensors alive at once); each layer unit
@@ -530,13 +532,14 @@ class _FSDP2Step:
         self.retained_rs = 0
         self.post_order: list[Optional[str]] = []
         self.reduced: set[str] = set()
+        self.no_backward_gather: set[str] = set()  # set_unshard_in_backward(False)
         self.shared = next((u.name for u in profile.units
                             if set(profile.output_paths) & set(u.module_paths)), ROOT)
 
     # -- FSDP2's operations -------------------------------------------------------------------
     def unshard(self, name: str, why: str, forward: bool) -> None:
         full, have = self.full[name], self.gathered.get(name, 0)
-        if have >= full:
+        if have >= full or (not forward and name in self.no_backward_gather):
             return
         led = self.led
         if self.shards == 1:
@@ -582,7 +585,7 @@ class _FSDP2Step:
         target = next((self.post_order[j] for j in range(idx - 1, -1, -1)
                        if self.post_order[j] is not None), None)
         if target is None or self.gathered.get(target, 0) >= self.full[target] \
-                or target in self.prefetched:
+                or target in self.prefetched or target in self.no_backward_gather:
             return
         if self.shards == 1:
             self.unshard(target, f"backward: prefetch {target}", forward=False)
@@ -699,33 +702,28 @@ class _FSDP2Step:
         led.add("grads", V * d * c)  # the tied weight's gradient, in autograd's buffer
 
     def chunked_loss(self, n: int) -> bool:
+        """The fused chunked loss (criterions/fused.py): each chunk's logits, softmax and
+        gradients in forward; backward only scales. The shared unit is gathered for the loss if
+        it was resharded after forward, resharded after it, and never gathered in backward."""
         p, led, c = self.p, self.led, self.c
         T, V, d = p.workload.tokens, p.vocab, p.embed_dim
-        float_copy = 4 if c != 4 else 0
-        chunks = -(-T // n)
-        led.add("loss", T * d * c)  # the non-padding features, the chunks' inputs
-        # the first chunk's projection gathers the shared unit in forward state: FSDP2 keeps
-        # that all-gather buffer until the next step's forward
-        self.unshard(self.shared, f"loss: all-gather {self.shared}", forward=True)
-        led.moment("loss forward: one chunk", loss=n * V * (c + float_copy + 4))
-        new = V * d * c
-        buffered = self.s.tied_grad_buffer  # chunks add into the one buffer, in place
-        for i in range(chunks):
-            led.moment("loss backward: one chunk (recomputed)", loss=3 * n * V * 4)
-            led.moment("backward: chunk output projection", loss=n * V * c,
-                       grads=0 if buffered and i > 0 else new)
-            if i == 0:
-                led.add("grads", new)
-            elif i == 1 and not buffered:  # the first accumulation is out of place
-                led.moment("backward: chunk weight-gradient accumulation", grads=2 * new)
-        led.sub("loss", T * d * c)
-        # the first chunk's post-backward reshards the shared unit (its gradient is still in
-        # autograd's buffer); then the model output's gradient: root, then shared, pre-backward
-        self.reshard(self.shared)
+        # the FSDP2 trainer passes fp16's loss scale: gradients in the compute dtype
+        led.add("loss", T * d * c * 2)  # the non-padding features and their gradient
+        regather = self.gathered.get(self.shared, 0) < self.full[self.shared]
+        self.unshard(self.shared, f"loss: all-gather {self.shared}", forward=False)
+        chunk = n * V * (4 + (c if c != 4 else 0))  # float32 logits/softmax (+ 16-bit copy)
+        led.moment("loss forward: one chunk", loss=chunk)
+        led.add("grads", V * d * c)  # the weight gradient (the tied buffer, with it)
+        if -(-T // n) > 1:
+            led.moment("loss forward: one chunk", loss=chunk)
+        led.sub("loss", T * d * c)  # the features; their gradient goes on to the model output
+        if regather:
+            self.reshard(self.shared)
+        self.no_backward_gather.add(self.shared)
         self.unshard(ROOT, "backward: all-gather root", forward=False)
         self.prefetch_before(ROOT)
-        self.unshard(self.shared, f"backward: all-gather {self.shared}", forward=False)
-        return chunks > 1
+        led.sub("loss", T * d * c)
+        return True  # the weight's gradient exists: each lookup's gradient adds to it
 
     def layers_backward(self, accumulated: bool) -> None:
         p, led, c = self.p, self.led, self.c
@@ -796,19 +794,18 @@ def simulate_ddp(profile: ModelProfile, setup: Setup) -> _Ledger:
         led.moment("loss backward: log-softmax gradient", loss=3 * T * V * 4)
         led.moment("backward: output projection", loss=T * V * c, grads=new, acts=T * d * c)
         led.add("grads", new)
-    else:
+    else:  # the fused chunked loss; fairseq's own trainer passes no fp16 loss scale, so an
+        # fp16 model's loss gradients are float32, computed against a float32 copy of the weight
         n = min(setup.loss_chunk_tokens, T)
-        led.add("loss", T * d * c)
-        led.moment("loss forward: one chunk", loss=n * V * (c + float_copy + 4))
-        led.moment("loss backward: one chunk (recomputed)", loss=3 * n * V * 4)
-        led.moment("backward: chunk output projection", loss=n * V * c, grads=new)
-        led.add("grads", new)
-        if -(-T // n) > 1:  # the first accumulation is out of place
-            led.moment("loss backward: one chunk (recomputed)", loss=3 * n * V * 4)
-            led.moment("backward: chunk output projection", loss=n * V * c, grads=new)
-            led.moment("backward: chunk weight-gradient accumulation", grads=2 * new)
-        led.sub("loss", T * d * c)
-    accumulated = setup.loss_chunk_tokens > 0 and -(-T // setup.loss_chunk_tokens) > 1
+        g = 4 if setup.precision == "fp16" else c
+        weight_copy = V * d * 4 if setup.precision == "fp16" else 0
+        led.add("loss", T * d * (c + g))  # the features and their gradient
+        chunk = n * V * (4 + (c if c != 4 else 0)) + weight_copy
+        led.moment("loss forward: one chunk", loss=chunk)
+        led.add("grads", V * d * g)
+        led.moment("loss forward: one chunk", loss=chunk)
+        led.sub("loss", T * d * (c + g))
+    accumulated = setup.loss_chunk_tokens > 0
     for kind, value in reversed(trace.events):
         if kind == "act":
             led.sub("acts", value)

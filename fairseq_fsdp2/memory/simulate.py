@@ -316,10 +316,9 @@ class _FSDP2Step:
         regather = self.gathered.get(self.shared, 0) < self.full[self.shared]
         self.unshard(self.shared, f"loss: all-gather {self.shared}", forward=False)
         chunk = n * V * (4 + (c if c != 4 else 0))  # float32 logits/softmax (+ 16-bit copy)
-        led.moment("loss forward: one chunk", loss=chunk)
-        led.add("grads", V * d * c)  # the weight gradient (the tied buffer, with it)
-        if -(-T // n) > 1:
-            led.moment("loss forward: one chunk", loss=chunk)
+        # the weight gradient (the tied buffer, with it) is created by the first chunk
+        led.moment("loss forward: one chunk", loss=chunk, grads=V * d * c)
+        led.add("grads", V * d * c)
         led.sub("loss", T * d * c)  # the features; their gradient goes on to the model output
         if regather:
             self.reshard(self.shared)
@@ -405,9 +404,8 @@ def simulate_ddp(profile: ModelProfile, setup: Setup) -> _Ledger:
         weight_copy = V * d * 4 if setup.precision == "fp16" else 0
         led.add("loss", T * d * (c + g))  # the features and their gradient
         chunk = n * V * (4 + (c if c != 4 else 0)) + weight_copy
-        led.moment("loss forward: one chunk", loss=chunk)
+        led.moment("loss forward: one chunk", loss=chunk, grads=V * d * g)
         led.add("grads", V * d * g)
-        led.moment("loss forward: one chunk", loss=chunk)
         led.sub("loss", T * d * (c + g))
     accumulated = setup.loss_chunk_tokens > 0
     for kind, value in reversed(trace.events):

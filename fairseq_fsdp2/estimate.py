@@ -40,7 +40,7 @@ from .memory.estimate import (
     estimate,
     workload_for,
 )
-from .options import FSDP2_BACKEND, LEGACY_FSDP_BACKEND
+from .options import FSDP2_BACKEND, LEGACY_FSDP_BACKEND, tied_grad_buffer
 
 DEFAULT_SEQ_LEN = 128
 DDP_BACKENDS = ("legacy_ddp", "no_c10d")
@@ -108,7 +108,7 @@ def setup_for(args, world_size: int) -> Setup:
         no_sync=bool(getattr(args, "fsdp2_no_sync_micro_batches", False)),
         checkpoint_activations=bool(getattr(args, "checkpoint_activations", False)),
         memory_efficient_fp16=bool(getattr(args, "memory_efficient_fp16", False)),
-        tied_grad_buffer=bool(getattr(args, "fsdp2_tied_grad_buffer", False)))
+        tied_grad_buffer=tied_grad_buffer(args))
 
 
 def build_task(args):

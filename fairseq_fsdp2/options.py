@@ -74,13 +74,24 @@ class FSDP2DistributedTrainingConfig(DistributedTrainingConfig):
                           "<save-dir>/memory_breakdown.json. Costs time on that update only; "
                           "0: off"},
     )
+    fsdp2_no_tied_grad_buffer: bool = field(
+        default=False,
+        metadata={"help": "FSDP2: give each use of a tied embedding (encoder input, decoder "
+                          "input, output projection) its own vocab x dim gradient, as stock "
+                          "autograd does, instead of accumulating them in one buffer (the "
+                          "default: up to 2 x vocab x dim less memory per rank in backward; "
+                          "the same gradient up to float rounding)"},
+    )
     fsdp2_tied_grad_buffer: bool = field(
         default=False,
-        metadata={"help": "FSDP2: accumulate the gradient of a tied embedding (encoder input, "
-                          "decoder input, output projection) in one vocab x dim buffer instead "
-                          "of one per use (up to 2 x vocab x dim less memory per rank in "
-                          "backward; same gradient up to float rounding)"},
+        metadata={"help": "FSDP2: accepted for older command lines; the tied-gradient buffer "
+                          "is now on unless --fsdp2-no-tied-grad-buffer"},
     )
+
+
+def tied_grad_buffer(dt) -> bool:
+    """Whether the tied embedding's gradient goes into one buffer (the default)."""
+    return not getattr(dt, "fsdp2_no_tied_grad_buffer", False)
 
 
 def validate(dt: FSDP2DistributedTrainingConfig, *, min_params_to_wrap: int, fp16: bool,
@@ -112,6 +123,9 @@ def validate(dt: FSDP2DistributedTrainingConfig, *, min_params_to_wrap: int, fp1
         raise OptionError(f"--fsdp2-reshard-degree {degree} must divide the shard group size "
                           f"{shard_size} (world size {world_size} / replicate degree "
                           f"{replicate}) and be neither 1 nor {shard_size}")
+    if dt.fsdp2_tied_grad_buffer and dt.fsdp2_no_tied_grad_buffer:
+        raise OptionError("--fsdp2-tied-grad-buffer and --fsdp2-no-tied-grad-buffer conflict: "
+                          "choose one")
     breakdown = dt.fsdp2_memory_breakdown
     if breakdown < 0:
         raise OptionError(f"--fsdp2-memory-breakdown must be >= 0 (an update number; 0: off), "

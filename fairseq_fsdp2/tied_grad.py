@@ -44,15 +44,25 @@ class _HubState:
         self.backward_started = True
         if self.buffer is None:
             self.buffer = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-        self.buffer.index_add_(0, index, rows.to(self.dtype))
+        self.buffer.index_add_(0, index, rows.to(self.buffer.dtype))
 
-    def add_outer(self, grad_out: torch.Tensor, inputs: torch.Tensor) -> None:
-        """buffer += grad_out^T @ inputs (the weight gradient of ``inputs @ weight^T``)."""
-        self.backward_started = True
+    def add_outer(self, grad_out: torch.Tensor, inputs: torch.Tensor,
+                  dtype: Optional[torch.dtype] = None) -> None:
+        """buffer += grad_out^T @ inputs (the weight gradient of ``inputs @ weight^T``), in
+        place; the first call creates the buffer (in ``dtype``, default the weight's). Called
+        from backward by the projection, and from forward by the fused vocabulary loss
+        (criterions/fused.py), which computes its share there."""
         if self.buffer is None:
-            self.buffer = grad_out.t().mm(inputs).to(self.dtype)
+            self.buffer = grad_out.t().mm(inputs).to(dtype or self.dtype)
         else:
-            self.buffer.addmm_(grad_out.t(), inputs)
+            self.buffer.addmm_(grad_out.t().to(self.buffer.dtype),
+                               inputs.to(self.buffer.dtype))
+
+    def scale(self, factor: torch.Tensor) -> None:
+        """Scale what the fused loss added in forward by backward's grad_output (before any
+        lookup's rows arrive: they come from backward further down the graph)."""
+        if self.buffer is not None:
+            self.buffer.mul_(factor)
 
     def take(self) -> Optional[torch.Tensor]:
         buffer, self.buffer = self.buffer, None
@@ -112,6 +122,7 @@ class _LinearUse(torch.autograd.Function):
             return None, None, None
         inputs, weight = ctx.saved_tensors
         grad_inputs = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        ctx.state.backward_started = True
         ctx.state.add_outer(grad.reshape(-1, grad.size(-1)),
                             inputs.reshape(-1, inputs.size(-1)))
         return grad_inputs, None, None

@@ -31,6 +31,7 @@ from .errors import CheckpointError, OutOfMemory, SaveFailed, first_line
 from .memory import MemoryMonitor
 from .memory.monitor import current_gb, describe_last
 from .memory.breakdown import record_update
+from .options import tied_grad_buffer
 from .plan import ShardingPlan, build_plan
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ class FSDP2Trainer(Trainer):
 
     def _shard(self, model):
         dt = self.cfg.distributed_training
-        if dt.fsdp2_tied_grad_buffer:  # before sharding: it changes the tied modules' classes
+        if tied_grad_buffer(dt):  # before sharding: it changes the tied modules' classes
             tied_grad.install(model)
         world = dist.get_world_size() if dist.is_initialized() else 1
         plan = build_plan(
@@ -154,6 +155,9 @@ class FSDP2Trainer(Trainer):
     def train_step(self, samples, raise_oom=False):
         self._check_weights()
         self._overflowed = False
+        if hasattr(self.criterion, "loss_scale"):  # the fused loss: fp16 gradients pre-scaled
+            scaler = getattr(self.optimizer, "scaler", None)
+            self.criterion.loss_scale = None if scaler is None else scaler.loss_scale
         if self._heartbeat is not None:
             self._heartbeat.num_updates = self.get_num_updates()
         try:

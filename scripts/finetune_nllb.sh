@@ -13,7 +13,8 @@ Fine-tune an NLLB-200 dense model with NLLB's recipe (translation_multi_simple_e
 and target language tokens, Adam (0.9,0.98) eps 1e-6, inverse_sqrt from 1e-7, label-smoothed
 cross-entropy 0.1, 512 positions, --skip-invalid-size-inputs-valid-test) on N ranks with
 PyTorch FSDP2: one torchrun call of fairseq-train --user-dir fairseq_fsdp2 --ddp-backend fsdp2,
-printed before it starts. Rank 0 prints the sharding plan; every rank's peak memory is logged at
+printed before it starts, with the memory estimator's per-rank prediction for it
+(python -m fairseq_fsdp2.estimate). Rank 0 prints the sharding plan; every rank's peak memory is logged at
 each --log-interval (mem_peak_gb_max ...) and written to SAVE_DIR/memory.jsonl. At the end,
 SAVE_DIR/checkpoint_{best,last}_consolidated.pt are written in stock fairseq format.
 
@@ -46,11 +47,21 @@ Each option can also be set by the environment variable in brackets; an option w
   --lr LR                 [LR] peak learning rate (default: 5e-5, NLLB's fine-tuning lr)
   --warmup-updates N      [WARMUP_UPDATES] inverse_sqrt warm-up from 1e-7 to LR (default:
                           MAX_UPDATE/10, at most 4000)
-  --root-reshard MODE     [ROOT_RESHARD] --fsdp2-root-reshard: default | always (default:
-                          default). default: the root and the shared-embedding unit keep their
-                          parameters gathered from forward to backward (faster); always:
-                          reshard them after forward and gather again in backward (less
-                          memory: the 256k x dim embedding is 262M params on the 600M model)
+  --root-reshard MODE     [ROOT_RESHARD] --fsdp2-root-reshard: always | default (default:
+                          always; default with --speed). always: the root and the
+                          shared-embedding unit reshard after forward and are gathered again
+                          (less memory: the 256k x dim embedding is 262M params on the 600M
+                          model); default: they stay gathered from forward to backward (one
+                          all-gather of the embedding less per step)
+  --loss-chunk-tokens N   [LOSS_CHUNK_TOKENS] the loss's output projection, log-softmax and
+                          gradients run over chunks of N target tokens in one pass
+                          (label_smoothed_cross_entropy_chunked): the tokens x 256k logits never
+                          exist at once (default: 1024); 0: fairseq's
+                          label_smoothed_cross_entropy
+  --speed                 [SPEED=1] prefer words/s to memory: --root-reshard default unless
+                          given. The chunked loss and the tied-embedding gradient buffer stay
+                          on (they cost no speed; --fsdp2-no-tied-grad-buffer after -- turns
+                          the buffer off)
   --min-params-to-wrap N  [MIN_PARAMS_TO_WRAP] a transformer layer with >= N parameters becomes
                           its own FSDP2 unit (default: 1, every layer). NLLB's own recipe used
                           100000000 (1e8) with fairscale: no NLLB layer is that large (600M:
@@ -82,9 +93,10 @@ die() { echo "$prog: error: $*" >&2; exit 2; }
 DATA="${DATA:-}"; MODEL_SIZE="${MODEL_SIZE:-600m}"; PRETRAINED="${PRETRAINED:-}"
 LANG_PAIRS="${LANG_PAIRS:-}"; LANGS="${LANGS:-}"; NPROC="${NPROC:-}"; SAVE_DIR="${SAVE_DIR:-}"
 MAX_UPDATE="${MAX_UPDATE:-10000}"; MAX_TOKENS="${MAX_TOKENS:-4096}"; UPDATE_FREQ="${UPDATE_FREQ:-1}"
-LR="${LR:-5e-5}"; WARMUP_UPDATES="${WARMUP_UPDATES:-}"; ROOT_RESHARD="${ROOT_RESHARD:-default}"
+LR="${LR:-5e-5}"; WARMUP_UPDATES="${WARMUP_UPDATES:-}"; ROOT_RESHARD="${ROOT_RESHARD:-}"
 MIN_PARAMS_TO_WRAP="${MIN_PARAMS_TO_WRAP:-1}"; PRECISION="${PRECISION:-}"; CPU="${CPU:-}"
 NUM_WORKERS="${NUM_WORKERS:-}"; LOG_INTERVAL="${LOG_INTERVAL:-100}"; SEED="${SEED:-2}"
+LOSS_CHUNK_TOKENS="${LOSS_CHUNK_TOKENS:-1024}"; SPEED="${SPEED:-}"
 extra=()
 while [[ $# -gt 0 ]]; do
   arg="$1"
@@ -92,10 +104,11 @@ while [[ $# -gt 0 ]]; do
   case "$arg" in
     -h|--help) usage; exit 0 ;;
     --cpu) CPU=1; shift; continue ;;
+    --speed) SPEED=1; shift; continue ;;
     --) shift; extra=("$@"); break ;;
     --data|--model-size|--pretrained|--lang-pairs|--langs|--nproc|--save-dir|--max-update|\
     --max-tokens|--update-freq|--lr|--warmup-updates|--root-reshard|--min-params-to-wrap|\
-    --precision|--num-workers|--log-interval|--seed)
+    --precision|--num-workers|--log-interval|--seed|--loss-chunk-tokens)
       [[ $# -ge 2 ]] || die "$arg needs a value"
       value="$2"; shift 2 ;;
     *) die "unknown argument '$arg' (fairseq-train flags go after --; see --help)" ;;
@@ -109,7 +122,7 @@ while [[ $# -gt 0 ]]; do
     --warmup-updates) WARMUP_UPDATES="$value" ;; --root-reshard) ROOT_RESHARD="$value" ;;
     --min-params-to-wrap) MIN_PARAMS_TO_WRAP="$value" ;; --precision) PRECISION="$value" ;;
     --num-workers) NUM_WORKERS="$value" ;; --log-interval) LOG_INTERVAL="$value" ;;
-    --seed) SEED="$value" ;;
+    --seed) SEED="$value" ;; --loss-chunk-tokens) LOSS_CHUNK_TOKENS="$value" ;;
   esac
 done
 
@@ -123,11 +136,16 @@ esac
 is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
 for pair in "MAX_UPDATE:$MAX_UPDATE" "MAX_TOKENS:$MAX_TOKENS" "UPDATE_FREQ:$UPDATE_FREQ" \
             "MIN_PARAMS_TO_WRAP:$MIN_PARAMS_TO_WRAP" "LOG_INTERVAL:$LOG_INTERVAL" "SEED:$SEED" \
+            "LOSS_CHUNK_TOKENS:$LOSS_CHUNK_TOKENS" \
             "NPROC:${NPROC:-1}" "WARMUP_UPDATES:${WARMUP_UPDATES:-0}" "NUM_WORKERS:${NUM_WORKERS:-0}"; do
   is_uint "${pair#*:}" || die "${pair%%:*} must be a non-negative integer, got '${pair#*:}'"
 done
 [[ -z "$NPROC" || "$NPROC" -ge 1 ]] || die "NPROC must be >= 1"
 [[ "$LR" =~ ^[0-9.]+([eE][-+]?[0-9]+)?$ ]] || die "LR must be a number, got '$LR'"
+[[ -z "$SPEED" || "$SPEED" == 0 || "$SPEED" == 1 ]] || die "SPEED must be 0 or 1, got '$SPEED'"
+if [[ -z "$ROOT_RESHARD" ]]; then
+  ROOT_RESHARD="$([[ "$SPEED" == 1 ]] && echo default || echo always)"
+fi
 case "$ROOT_RESHARD" in default|always) ;; *)
   die "unknown root reshard '$ROOT_RESHARD' (choose default or always)" ;; esac
 if [[ -n "$PRETRAINED" && ! -e "$PRETRAINED" ]]; then
@@ -187,6 +205,11 @@ if [[ "$CPU" == 1 ]]; then
 elif [[ -n "$NUM_WORKERS" ]]; then
   device_flags=(--num-workers "$NUM_WORKERS")
 fi
+if (( LOSS_CHUNK_TOKENS > 0 )); then
+  loss_flags=(--criterion label_smoothed_cross_entropy_chunked --loss-chunk-tokens "$LOSS_CHUNK_TOKENS")
+else
+  loss_flags=(--criterion label_smoothed_cross_entropy)
+fi
 pretrained_flags=()
 [[ -z "$PRETRAINED" ]] || pretrained_flags=(--finetune-from-model "$PRETRAINED")
 
@@ -194,8 +217,7 @@ pretrained_flags=()
 bash "$root/scripts/setup.sh"
 # glibc keeps freed memory without this, and RSS-based peak memory (CPU) creeps up step by step
 export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-65536}"
-cmd=("$root/.venv/bin/torchrun" --standalone --nproc_per_node "$NPROC"
-  "$root/.venv/bin/fairseq-train" "$DATA"
+train_flags=("$DATA"
   --user-dir "$root/fairseq_fsdp2" --ddp-backend fsdp2
   --arch "$arch" "${pretrained_flags[@]}"
   --task translation_multi_simple_epoch --lang-pairs "$LANG_PAIRS" --langs "$LANGS"
@@ -203,12 +225,18 @@ cmd=("$root/.venv/bin/torchrun" --standalone --nproc_per_node "$NPROC"
   --max-source-positions 512 --max-target-positions 512 --skip-invalid-size-inputs-valid-test
   --optimizer adam --adam-betas '(0.9,0.98)' --adam-eps 1e-6
   --lr "$LR" --lr-scheduler inverse_sqrt --warmup-init-lr 1e-7 --warmup-updates "$WARMUP_UPDATES"
-  --criterion label_smoothed_cross_entropy --label-smoothing 0.1
+  "${loss_flags[@]}" --label-smoothing 0.1
   --max-tokens "$MAX_TOKENS" --update-freq "$UPDATE_FREQ" --max-update "$MAX_UPDATE"
   --min-params-to-wrap "$MIN_PARAMS_TO_WRAP" --fsdp2-root-reshard "$ROOT_RESHARD"
   "${precision_flags[@]}" "${device_flags[@]}"
   --save-dir "$SAVE_DIR" --seed "$SEED" --log-interval "$LOG_INTERVAL" --no-progress-bar
   "${extra[@]}")
+cmd=("$root/.venv/bin/torchrun" --standalone --nproc_per_node "$NPROC"
+  "$root/.venv/bin/fairseq-train" "${train_flags[@]}")
 echo "[$prog] $arch on $NPROC rank(s) ($([[ "$CPU" == 1 ]] && echo CPU || echo GPU), $PRECISION), $LANG_PAIRS -> $SAVE_DIR" >&2
 echo "[$prog] $(printf '%q ' "${cmd[@]}")" >&2
+# the estimator reads the same flags (fairseq's parser); a failure does not stop training
+echo "[$prog] predicted per-rank memory for this command:" >&2
+"$root/.venv/bin/python" -m fairseq_fsdp2.estimate "${train_flags[@]}" --world-size "$NPROC" >&2 \
+  || echo "[$prog] (no prediction: the estimator failed; training starts anyway)" >&2
 exec "${cmd[@]}"

@@ -10,6 +10,8 @@
 """
 from __future__ import annotations
 
+import json
+import copy
 from pathlib import Path
 
 import pytest
@@ -23,8 +25,9 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.tasks.translation import TranslationTask
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from numerics import FP32_REORDERED, U32, printed_close
+from numerics import U32
 
+from fairseq_fsdp2 import tied_grad
 from fairseq_fsdp2.criterions.chunked import (
     CrossEntropyChunkedCriterion,
     LabelSmoothedCrossEntropyChunkedCriterion,
@@ -193,9 +196,9 @@ def output_projection_inputs(criterion, model, sample, **kwargs) -> list[tuple]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_chunk_size_0_and_unreduced_run_the_parent_criterion(small, case):
     """--loss-chunk-tokens 0 (and reduce=False, which needs per-token losses) is the parent
-    criterion's code: one projection of the whole batch x length (padding included), no
-    recomputation; with chunks, the projection sees at most N non-padding tokens at a time,
-    twice (forward and the recomputation in backward)."""
+    criterion's code: one call of the projection module on the whole batch x length (padding
+    included); with chunks, the fused pass projects the chunks itself (criterions/fused.py)
+    and never calls the module, in forward or backward."""
     task, model, sample = small
     _, chunked = CASES[case]
     batch, length = sample["target"].shape
@@ -203,13 +206,78 @@ def test_chunk_size_0_and_unreduced_run_the_parent_criterion(small, case):
     assert output_projection_inputs(chunked(task, 0), model, sample) == [(batch, length, dim)]
     assert output_projection_inputs(chunked(task, 7), model, sample, reduce=False) == \
         [(batch, length, dim)]
-    chunks = output_projection_inputs(chunked(task, 7), model, sample)
-    tokens = sample["target"].ne(task.target_dictionary.pad())
-    if "prefix" in case:  # ignore_prefix_size=1: the first target position is not scored
-        tokens = tokens[:, 1:]
-    sizes = [min(7, int(tokens.sum()) - i) for i in range(0, int(tokens.sum()), 7)]
-    assert chunks[:len(sizes)] == [(n, dim) for n in sizes]  # forward, in order
-    assert sorted(chunks[len(sizes):]) == sorted(chunks[:len(sizes)])  # backward recomputes
+    assert output_projection_inputs(chunked(task, 7), model, sample) == []
+
+
+def test_dummy_batch_and_validation(small):
+    """fairseq zeroes a dummy batch's loss in place (``loss *= 0``): every gradient is then 0;
+    without grad mode (validation) the same loss comes out of the gradient-free pass."""
+    task, model, sample = small
+    criterion = CASES["ls0.1-prefix-accuracy-sentavg"][1](task, 5)
+    model.zero_grad(set_to_none=True)
+    loss, _, log = criterion(model, sample)
+    value = float(loss)
+    loss *= 0
+    loss.backward()
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    with torch.no_grad():
+        _, _, valid = criterion(model, sample)
+    assert float(valid["loss"]) == value and valid["n_correct"] == log["n_correct"]
+
+
+def test_tied_buffer_receives_the_weight_gradient_in_forward(small):
+    """With --fsdp2-tied-grad-buffer the chunks add into the tied weight's one buffer (created
+    in forward, before any backward); that very buffer becomes the weight's gradient."""
+    task, model, sample = small
+    stock = LabelSmoothedCrossEntropyCriterion(task, False, 0.1)
+    _, _, want = loss_and_grads(stock, model, sample)
+    ours = copy.deepcopy(model)
+    assert tied_grad.install(ours)  # encoder/decoder embedding + output projection
+    criterion = LabelSmoothedCrossEntropyChunkedCriterion(task, False, 0.1, loss_chunk_tokens=7)
+    loss, _, _ = criterion(ours, sample)
+    hub = ours.decoder.output_projection.tied_gradient._current[2]
+    buffer = hub.buffer
+    assert buffer is not None and buffer.shape == ours.decoder.output_projection.weight.shape
+    loss.backward()
+    weight = ours.decoder.output_projection.weight
+    assert torch.equal(weight.grad, buffer)  # the lookups' rows were added into it as well
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+# 16-bit: the paths round differently. The difference starts at the loss's gradients (each
+# element rounded once to the format, in another order: <= u relative) and goes through the same
+# backward ops, each rounding again (<= u relative each, about 3 per layer); with 1+1 layers that
+# bounds the norm of the whole gradient's difference by about (1 + 3 x 2) u = 7u relative. (Per
+# tensor it does not: some gradients are rounding noise around 0, e.g. the key projection's bias,
+# whose exact gradient is 0 because softmax ignores a constant added to every key.)
+UNIT_ROUNDOFF = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}
+
+
+@pytest.mark.parametrize("dtype,hint", [(torch.bfloat16, None), (torch.float16, 128.0),
+                                        (torch.float16, None)])
+def test_16_bit_loss_and_gradients_match_stock(small, dtype, hint):
+    """bf16; fp16 with loss scaling (128): with the trainer's hint the stored gradients are
+    pre-scaled, without it (fairseq's own trainer) they are float32."""
+    task, model, sample = small
+    model16 = copy.deepcopy(model).to(dtype)
+    scale = 128.0 if dtype == torch.float16 else 1.0
+    results = []
+    for criterion in (LabelSmoothedCrossEntropyCriterion(task, False, 0.1),
+                      LabelSmoothedCrossEntropyChunkedCriterion(task, False, 0.1,
+                                                                loss_chunk_tokens=7)):
+        criterion.loss_scale = hint
+        model16.zero_grad(set_to_none=True)
+        loss, _, log = criterion(model16, sample)
+        (loss * scale).backward()
+        results.append((log, torch.cat([p.grad.float().flatten() / scale
+                                        for p in model16.parameters()])))
+    (want_log, want), (got_log, got) = results
+    # the losses: float32 sums of the same float32 per-token terms, in another order
+    assert float(got_log["loss"]) == pytest.approx(float(want_log["loss"]), rel=1e-5)
+    assert float(got_log["nll_loss"]) == pytest.approx(float(want_log["nll_loss"]), rel=1e-5)
+    assert (got - want).norm() <= 8 * UNIT_ROUNDOFF[dtype] * want.norm()
 
 
 # -- 2. peak memory --------------------------------------------------------------------------
@@ -244,8 +312,31 @@ def test_peak_memory_at_nllb_vocabulary():
 
 
 # -- 3. FSDP2 through fairseq-train ----------------------------------------------------------
+# One shared set of real 2-rank runs (tied embedding in a grouped unit, --min-params-to-wrap 1).
+# Per configuration: the stock path (stock criterion, --fsdp2-no-tied-grad-buffer) and some of:
+# the stock criterion with the tied-gradient buffer (now the default), the fused chunked
+# criterion with it, the fused criterion without it.
+# Each run counts update 2's all-gathers (tests/probes/count_all_gathers.py).
 
-def fsdp2_train_args(data: Path, save_dir: Path, criterion: str, *extra: str) -> list[str]:
+FSDP2_CONFIGS = {  # configuration: (its flags, the variants run besides "stock")
+    "fp32, root default, update-freq 2, activation checkpointing":
+        (["--update-freq", "2", "--checkpoint-activations"], ["buffer", "fused"]),
+    "fp32, root always": (["--fsdp2-root-reshard", "always"], ["fused, no buffer"]),
+    "bf16, root always": (["--bf16", "--fsdp2-root-reshard", "always"], ["buffer", "fused"]),
+    "fp16, root default": (["--fp16"], ["buffer", "fused"]),
+}
+STOCK = ["--criterion", "label_smoothed_cross_entropy", "--fsdp2-no-tied-grad-buffer"]
+VARIANTS = {
+    "stock": STOCK,
+    "buffer": ["--criterion", "label_smoothed_cross_entropy"],
+    "fused": ["--criterion", "label_smoothed_cross_entropy_chunked", "--loss-chunk-tokens", "64"],
+    "fused, no buffer": ["--criterion", "label_smoothed_cross_entropy_chunked",
+                         "--loss-chunk-tokens", "64", "--fsdp2-no-tied-grad-buffer"],
+}
+MAX_TOKENS, CHUNK = 500, 64
+
+
+def fsdp2_train_args(data: Path, save_dir: Path, *extra: str) -> list[str]:
     return [
         str(data), "--save-dir", str(save_dir), "--user-dir", str(ROOT / "fairseq_fsdp2"),
         "--task", "translation", "--arch", "transformer", "--share-all-embeddings",
@@ -253,30 +344,76 @@ def fsdp2_train_args(data: Path, save_dir: Path, criterion: str, *extra: str) ->
         "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
         "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
         "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
-        "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "500", "--max-update", "4",
-        "--log-format", "json", "--log-interval", "1", "--seed", "1", "--cpu",
-        "--no-progress-bar", "--no-save", "--disable-validation",
+        "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", str(MAX_TOKENS),
+        "--max-update", "3", "--log-format", "json", "--log-interval", "1", "--seed", "1",
+        "--cpu", "--no-progress-bar", "--no-save", "--disable-validation",
         "--ddp-backend", "fsdp2", "--min-params-to-wrap", "1",
-        "--criterion", criterion, "--label-smoothing", "0.1", *extra]
+        "--label-smoothing", "0.1", "--report-accuracy", *extra]
 
 
-def test_fsdp2_two_ranks_match_stock_criterion(tmp_path, corpus):
-    from launcher import run_ranks, train_inner
+def all_gathers(output: str) -> dict[str, int]:
+    line = next(l for l in output.splitlines() if "all-gathers of update 2: " in l)
+    return json.loads(line.split("all-gathers of update 2: ", 1)[1])
 
-    def train(criterion, *extra):
-        args = fsdp2_train_args(corpus, tmp_path / "out", criterion, *extra)
-        results = run_ranks(2, lambda rank: args, timeout=180, module="fairseq_cli.train")
-        for r in results:
-            assert r.returncode == 0, f"rank {r.rank} failed:\n{r.output[-4000:]}"
-        records = train_inner(results[0].output)
-        assert len(records) == 4, results[0].output[-3000:]
-        return [{k: rec[k] for k in ("loss", "nll_loss", "gnorm")} for rec in records]
 
-    chunked = train("label_smoothed_cross_entropy_chunked", "--loss-chunk-tokens", "64")
-    stock = train("label_smoothed_cross_entropy")
-    chunked_resharded = train("label_smoothed_cross_entropy_chunked", "--loss-chunk-tokens", "64",
-                              "--fsdp2-root-reshard", "always")
-    for run in (chunked, chunked_resharded):
-        for got, want in zip(run, stock):
-            for key in want:  # printed to 3 decimals; float32 sums in another order
-                assert printed_close(got[key], want[key], FP32_REORDERED), (key, run, stock)
+@pytest.fixture(scope="module")
+def fsdp2_runs(tmp_path_factory, corpus) -> dict:
+    from launcher import ok, run_ranks, train_inner
+
+    out = {}
+    for config, (flags, variants) in FSDP2_CONFIGS.items():
+        for variant in ["stock", *variants]:
+            args = fsdp2_train_args(corpus, tmp_path_factory.mktemp("run"), *flags,
+                                    *VARIANTS[variant])
+            output = ok(run_ranks(2, lambda rank: args, timeout=240, module="count_all_gathers",
+                                  env={"PYTHONPATH": str(ROOT / "tests" / "probes")}))
+            records = train_inner(output)
+            assert len(records) == 3, output[-3000:]
+            out[config, variant] = (records, all_gathers(output))
+    return out
+
+
+def tolerance(config: str) -> float:
+    """Relative tolerance for gradient norms. In fp32 the paths differ by summation order only:
+    the logged 3 decimals decide. In 16-bit the tied weight's gradient is a sum of up to
+    chunks + 2 contributions (the chunks, the two lookups) rounded to the format in another
+    order, each rounding off by at most u (bf16: 2^-8, fp16: 2^-11) relative; the norm of a
+    gradient perturbed by at most e relative per element is off by at most e relative."""
+    chunks = -(-MAX_TOKENS // CHUNK)
+    u = 2 ** -8 if "bf16" in config else 2 ** -11 if "fp16" in config else 0.0
+    return (chunks + 2) * u
+
+
+@pytest.mark.parametrize("config", list(FSDP2_CONFIGS))
+def test_fsdp2_fused_loss_and_tied_buffer_match_the_stock_path(fsdp2_runs, config):
+    stock, _ = fsdp2_runs[config, "stock"]
+    for variant in ("buffer", "fused", "fused, no buffer"):
+        if (config, variant) not in fsdp2_runs:
+            continue
+        run, _ = fsdp2_runs[config, variant]
+        for update, (got, want) in enumerate(zip(run, stock), 1):
+            for key in ("loss", "nll_loss"):  # logged with 3 decimals: one step of the last
+                assert abs(float(got[key]) - float(want[key])) <= 1.01e-3, (variant, key, run,
+                                                                            stock)
+            assert float(got["gnorm"]) == pytest.approx(
+                float(want["gnorm"]), rel=tolerance(config), abs=1.01e-3), (variant, run, stock)
+        # update 1 runs the same weights: the same argmax (n_correct / total) per token
+        assert run[0]["accuracy"] == stock[0]["accuracy"], (variant, run[0], stock[0])
+
+
+def shared_unit(counts: dict[str, int]) -> str:
+    return next(k for k in counts if "embed_tokens" in k)
+
+
+@pytest.mark.parametrize("config", list(FSDP2_CONFIGS))
+def test_fsdp2_fused_loss_gathers_the_embedding_as_often_as_the_stock_loss(fsdp2_runs, config):
+    """The fused loss needs the weight in forward only: no extra all-gather of the shared
+    unit in backward (the recomputing chunked loss had one more per step)."""
+    _, stock = fsdp2_runs[config, "stock"]
+    micro = 2 if "update-freq 2" in config else 1
+    per_batch = 2 if "always" in config else 1  # gathered again in backward / kept gathered
+    assert stock[shared_unit(stock)] == micro * per_batch, stock
+    for variant in ("buffer", "fused", "fused, no buffer"):
+        if (config, variant) in fsdp2_runs:
+            _, counts = fsdp2_runs[config, variant]
+            assert counts == stock, (variant, counts, stock)

@@ -212,17 +212,23 @@ def test_nllb_sizes_1_to_64_ranks_without_allocating(arch):
 
 
 def test_tied_gradient_buffer_keeps_one_embedding_gradient():
-    """--fsdp2-tied-grad-buffer: the chunks and the two lookups add into one vocab x dim
-    buffer; stock autograd holds up to three (as --fsdp2-memory-breakdown measures)."""
+    """The tied-gradient buffer (default): the fused loss's weight gradient and the two lookups'
+    rows add into one vocab x dim buffer; without it each lookup's backward makes a dense
+    vocab x dim gradient that autograd then adds to the loss's (two at once)."""
     flags = ["--criterion", "label_smoothed_cross_entropy_chunked", "--loss-chunk-tokens",
-             "512", "--fsdp2-root-reshard", "always", "--world-size", "2"]
-    stock, buffered = (cli.estimate_args(nllb_args("transformer_nllb_600m", *flags, *extra))[0]
-                       for extra in ([], ["--fsdp2-tied-grad-buffer"]))
-    assert buffered.setup.tied_grad_buffer and not stock.setup.tied_grad_buffer
+             "512", "--fsdp2-root-reshard", "always"]
+    ledgers = []
+    for extra in (["--fsdp2-no-tied-grad-buffer"], []):
+        args = cli.parse(nllb_args("transformer_nllb_600m", *flags, *extra))
+        setup = cli.setup_for(args, 2)
+        assert setup.tied_grad_buffer == (not extra)
+        ledgers.append(est.simulate_fsdp2(cli.profile_for(args), setup))
+    stock, buffered = ledgers
     one = NLLB_VOCAB * 1024 * 4  # one fp32 vocab x dim gradient
-    saved = stock.classes[0].breakdown["grads"] - buffered.classes[0].breakdown["grads"]
-    assert abs(saved - 2 * one) <= 0.01 * one, (saved, one)
-    assert buffered.peak < stock.peak  # the peak moves on to another moment of the step
+    saved = stock.max["grads"] - buffered.max["grads"]
+    # the two maxima may fall at different moments of backward, where a layer's unsharded
+    # gradient (the largest, a decoder layer: 16.8M fp32 parameters) may or may not be alive
+    assert abs(saved - one) <= 16.8e6 * 4, (saved, one)
 
 
 def test_uneven_shards_make_rank_classes_and_hsdp_shards_within_groups():

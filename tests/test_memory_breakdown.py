@@ -1,5 +1,6 @@
 """--fsdp2-memory-breakdown N (per-rank memory by category for update N) and
---fsdp2-tied-grad-buffer (one gradient buffer for the tied embedding).
+the tied-gradient buffer (one gradient buffer for the tied embedding; the default,
+--fsdp2-no-tied-grad-buffer turns it off).
 
 Two real 2-rank fairseq-train runs share the work: an NLLB-layout model (grouped shared-
 embedding unit plus per-layer units) on a 20,000-word vocabulary, so that the tied
@@ -50,7 +51,8 @@ def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("breakdown")
     data = write_random_corpus(root / "corpus", vocab=VOCAB, words=8, n_train=64)
     out = {}
-    for name, extra in (("stock", []), ("buffer", ["--fsdp2-tied-grad-buffer", "--no-save"])):
+    for name, extra in (("stock", ["--fsdp2-no-tied-grad-buffer"]),
+                        ("buffer", ["--no-save"])):  # the buffer: the default
         save_dir = root / name
         output = ok(run_ranks(2, lambda r: train_args(data, save_dir, *extra)))
         path = save_dir / FILE_NAME

@@ -96,6 +96,7 @@ def test_bad_input_one_line_and_nothing_launched(data, tmp_path):
         (["--data", data, "--precision", "fp8"], "unknown precision"),
         (["--data", data, "--pretrained", tmp_path / "none.pt"], "does not exist"),
         (["--data", data, "--nproc", "two"], "NPROC must be"),
+        (["--data", data, "--loss-chunk-tokens", "-1"], "LOSS_CHUNK_TOKENS must be"),
         (["--data", data, "--bogus"], "unknown argument '--bogus'"),
     ]
     for args, message in cases:
@@ -120,7 +121,17 @@ def test_two_rank_cpu_finetune_and_stock_generate(data, tmp_path):
     assert "FSDP2 sharding plan: 6 units over 2 rank(s)" in output
     rows = plan_rows(output)
     assert set(rows) >= {"encoder.layers.0", "decoder.layers.1", "shared", "root"}
-    assert rows["root"].startswith("False")  # --root-reshard default
+    # the recipe's memory defaults: root resharded, the chunked loss, the tied-gradient buffer
+    assert rows["root"].startswith("True") and rows["shared"].startswith("True"), rows
+    assert "--criterion label_smoothed_cross_entropy_chunked --loss-chunk-tokens 1024" in output
+    assert "--fsdp2-no-tied-grad-buffer" not in output
+    # the estimator's prediction for this command, printed before the launch
+    # (the script writes it to stderr before it execs torchrun)
+    prediction = proc.stderr.index("predicted per-rank memory for this command:")
+    plan = proc.stderr.find("FSDP2 sharding plan")
+    assert plan == -1 or prediction < plan
+    table = proc.stderr[prediction:prediction + 3000]
+    assert "peak per rank (GiB)" in table and "chunked loss (1024 tokens)" in table, table
     records = json_records(output, "train_inner")
     losses = [float(r["loss"]) for r in records]
     assert len(losses) >= 5 and losses[-1] < losses[0] - 1.0, losses
@@ -147,10 +158,11 @@ def test_two_rank_cpu_finetune_and_stock_generate(data, tmp_path):
     # and fine-tuning from it (--pretrained: --finetune-from-model) starts where it ended
     proc = run_script("--data", data, "--model-size", "tiny", "--cpu", "--nproc", 2,
                       "--save-dir", tmp_path / "finetuned", "--pretrained", consolidated,
-                      "--max-update", 2, "--max-tokens", 2000, "--lr", "1e-4",
+                      "--max-update", 2, "--max-tokens", 2000, "--lr", "1e-4", "--speed",
                       "--log-interval", 1, "--", "--log-format", "json", "--no-save")
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
+    assert plan_rows(output)["root"].startswith("False")  # --speed: --root-reshard default
     assert "loaded pretrained weights" in output
     first = float(json_records(output, "train_inner")[0]["loss"])
     assert first < losses[0] - 1.0, (first, losses)
@@ -215,7 +227,11 @@ def test_hydra_configs_match_the_command_line(data):
         assert (task.encoder_langtok, task.decoder_langtok) == ("src", True), name
         assert task.seed == cfg.common.seed and task.train_subset == "train", name
         dt = cfg.distributed_training
-        assert (dt.ddp_backend, dt.fsdp2_root_reshard) == ("fsdp2", "default"), name
+        # the recipe's memory settings (scripts/finetune_nllb.sh's defaults)
+        assert (dt.ddp_backend, dt.fsdp2_root_reshard) == ("fsdp2", "always"), name
+        assert not dt.fsdp2_no_tied_grad_buffer, name
+        assert cfg.criterion._name == "label_smoothed_cross_entropy_chunked", name
+        assert cfg.criterion.loss_chunk_tokens == 1024, name
         assert cfg.criterion.label_smoothing == 0.1 and cfg.lr_scheduler._name == "inverse_sqrt"
 
 # Unknown hydra keys: tests/test_bad_input.py (the README's error catalogue).

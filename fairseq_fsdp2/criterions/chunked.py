@@ -2,67 +2,110 @@
 
 With NLLB's 256,206-word vocabulary the logits, their float log-softmax and the gradients of both
 are the largest tensors of a training step (4 bytes x 256,206 = 1 MB per target token, each).
-These criteria run the model with ``features_only=True`` and compute the output projection,
-log-softmax and loss for ``--loss-chunk-tokens`` target tokens at a time. Each chunk runs under
-non-reentrant activation checkpointing: only its loss sums are kept, and its logits are recomputed
-in backward, so at most one chunk's vocabulary-sized tensors are alive at any time.
+These criteria run the model with ``features_only=True`` and hand the decoder features to
+``fused.fused_vocabulary_loss``, which computes the output projection, log-softmax, loss and
+their gradients ``--loss-chunk-tokens`` target tokens at a time in forward, frees each chunk's
+logits at once, and leaves backward only a scaling of the stored gradients: no logits are
+recomputed and no second projection runs.
 
-The output projection is called as a module (``model.decoder.output_layer`` calls
-``output_projection(x)``), so FSDP2's hooks fire for it, in forward and when a chunk is recomputed
-in backward. Under FSDP2 it shares its weight with the embeddings in one grouped unit, and the
-per-chunk calls are a partial forward of that group, which FSDP2 supports: the first chunk gathers
-the weight, it stays gathered over the chunks and their recomputation, and its gradient is
-reduce-scattered once per step, as with the stock criterion. One cost remains: the post-backward
-hook FSDP2 puts on the first chunk's input reshards the weight before the decoder's backward,
-which gathers it again (one more all-gather of the embedding per step than the stock criterion).
+Under FSDP2 the projection weight is the shared embedding's (one grouped unit). It is used here
+directly, not through the module call: after the model's forward it is still gathered (root
+``default``) or is gathered once for the loss and resharded after it (root ``always``). Nothing
+in the unit's backward needs the weight any more (the loss's backward only scales, an
+embedding's backward only adds rows), so the unit is told not to gather it in backward
+(``set_unshard_in_backward(False)``, FSDP2's public switch for embedding-only units): the
+shared embedding is all-gathered as often as with the stock criterion (root default: once per
+step; always: twice), and its gradient is reduce-scattered once per step. With
+``--fsdp2-tied-grad-buffer`` the weight gradient goes straight into the tied buffer.
 
-Results are the parent criterion's up to float summation order: the per-chunk losses are the
-parent's own formulas (``label_smoothed_nll_loss``, ``F.nll_loss``) on the chunk, and the losses
-are sums, so the chunk sums add up to the parent's. ``--loss-chunk-tokens 0``, ``reduce=False``
-and adaptive-softmax decoders run the parent criterion unchanged.
+Results are the parent criterion's up to float rounding (the same formulas, summed chunk by
+chunk: see fused.py). ``--loss-chunk-tokens 0``, ``reduce=False``, adaptive-softmax decoders and
+projections other than a bias-free ``nn.Linear`` run the parent criterion unchanged.
 """
 # No `from __future__ import annotations`: fairseq reads the config fields' types at runtime.
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
+import torch.nn as nn
 from fairseq import utils
 from fairseq.criterions import register_criterion
 from fairseq.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig
 from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterion,
     LabelSmoothedCrossEntropyCriterionConfig,
-    label_smoothed_nll_loss,
 )
-from torch.utils.checkpoint import checkpoint
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
-CHUNK_HELP = ("compute the output projection, log-softmax and loss over chunks of this many "
-              "target tokens, recomputing each chunk in backward, so the tokens x vocabulary "
-              "logits never exist at once; 0: no chunking (the parent criterion)")
+from .fused import fused_vocabulary_loss
+
+DEFAULT_CHUNK_TOKENS = 1024
+CHUNK_HELP = ("compute the output projection, log-softmax, loss and their gradients over chunks "
+              "of this many target tokens in one pass, so the tokens x vocabulary logits never "
+              "exist at once and backward recomputes nothing; 0: no chunking (the parent "
+              "criterion)")
 
 
 def use_chunks(model, chunk_tokens: int, reduce: bool) -> bool:
+    decoder = model.decoder
+    projection = getattr(decoder, "output_projection", None)
     return (chunk_tokens > 0 and reduce
-            and getattr(model.decoder, "adaptive_softmax", None) is None)
+            and getattr(decoder, "adaptive_softmax", None) is None
+            and isinstance(projection, nn.Linear) and projection.bias is None)
 
 
-def chunked_sums(model, sample, chunk_loss, chunk_tokens: int, padding_idx: int,
-                 ignore_prefix_size: int = 0) -> torch.Tensor:
-    """Sum of ``chunk_loss(lprobs, target)`` (a 1-D tensor) over chunks of the sample's
-    non-padding target tokens; each chunk is recomputed in backward."""
+def _weight_only_unit(model: nn.Module, weight: torch.Tensor) -> bool:
+    """Whether every FSDP2 module holding ``weight`` holds nothing else (its unit then needs
+    no parameter in backward once the loss computes its gradients in forward)."""
+    holders = [m for m in model.modules() if isinstance(m, FSDPModule)
+               and any(p is weight for p in m.parameters(recurse=False))]
+    return bool(holders) and all(p is weight for m in holders for p in m.parameters())
+
+
+@contextmanager
+def projection_weight(model):
+    """(weight, tied-gradient hub or None) of the output projection, gathered under FSDP2."""
+    projection = model.decoder.output_projection
+    owner = next((m for m in (projection, model) if isinstance(m, FSDPModule)), None)
+    gathered = False
+    if isinstance(projection.weight, DTensor) and owner is not None:
+        owner.unshard()  # resharded after forward (root always): gather it for the loss
+        gathered = True
+    weight = projection.weight
+    if isinstance(projection, FSDPModule):
+        projection.set_unshard_in_backward(not _weight_only_unit(model, weight))
+    hub = None
+    tied = getattr(projection, "tied_gradient", None)  # --fsdp2-tied-grad-buffer
+    if tied is not None and torch.is_grad_enabled() and weight.requires_grad:
+        weight, hub = tied.alias(weight)
+    try:
+        yield weight, hub
+    finally:
+        if gathered:
+            owner.reshard()
+
+
+def restore_backward_gather(model) -> None:
+    """The parent criterion's projection needs the weight in backward: let FSDP2 gather it."""
+    projection = getattr(model.decoder, "output_projection", None)
+    if isinstance(projection, FSDPModule):
+        projection.set_unshard_in_backward(True)
+
+
+def fused_sums(criterion, model, sample, *, eps: float = 0.0, accuracy: bool = False,
+               ignore_prefix_size: int = 0):
+    """(loss, nll_loss, n_correct, total) of the sample's non-padding target tokens."""
     net_output = model(**sample["net_input"], features_only=True)
     features, target = net_output[0], model.get_targets(sample, net_output)
     features, target = features[:, ignore_prefix_size:], target[:, ignore_prefix_size:]
-    keep = target.ne(padding_idx)
+    keep = target.ne(criterion.padding_idx)
     features, target = features[keep], target[keep]  # N x C, N
-
-    def run(features, target):
-        logits = model.decoder.output_layer(features)  # a module call: FSDP2 hooks fire
-        lprobs = model.get_normalized_probs((logits, None), log_probs=True)  # float
-        return chunk_loss(lprobs, target)
-
-    return sum(checkpoint(run, f, t, use_reentrant=False)
-               for f, t in zip(features.split(chunk_tokens), target.split(chunk_tokens)))
+    with projection_weight(model) as (weight, hub):
+        loss, nll_loss, n_correct = fused_vocabulary_loss(
+            features, weight, target, eps=eps, chunk_tokens=criterion.loss_chunk_tokens,
+            accuracy=accuracy, grad_scale=criterion.loss_scale, hub=hub)
+    return loss, nll_loss, n_correct, target.numel()
 
 
 def sample_size_of(criterion, sample):
@@ -71,7 +114,7 @@ def sample_size_of(criterion, sample):
 
 @dataclass
 class LabelSmoothedCrossEntropyChunkedCriterionConfig(LabelSmoothedCrossEntropyCriterionConfig):
-    loss_chunk_tokens: int = field(default=1024, metadata={"help": CHUNK_HELP})
+    loss_chunk_tokens: int = field(default=DEFAULT_CHUNK_TOKENS, metadata={"help": CHUNK_HELP})
 
 
 @register_criterion("label_smoothed_cross_entropy_chunked",
@@ -80,17 +123,19 @@ class LabelSmoothedCrossEntropyChunkedCriterion(LabelSmoothedCrossEntropyCriteri
     """``label_smoothed_cross_entropy`` computed over chunks of target tokens."""
 
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0,
-                 report_accuracy=False, loss_chunk_tokens=1024):
+                 report_accuracy=False, loss_chunk_tokens=DEFAULT_CHUNK_TOKENS):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         self.loss_chunk_tokens = loss_chunk_tokens
+        self.loss_scale = None  # fp16: the trainer's loss scale (see fused.py)
 
     def forward(self, model, sample, reduce=True):
         if not use_chunks(model, self.loss_chunk_tokens, reduce):
+            restore_backward_gather(model)
             return super().forward(model, sample, reduce=reduce)
-        # index, don't unpack (unbind views): fairseq does `loss *= 0` on dummy batches
-        sums = chunked_sums(model, sample, self.chunk_loss, self.loss_chunk_tokens,
-                            self.padding_idx, self.ignore_prefix_size)
-        loss, nll_loss, n_correct, total = sums[0], sums[1], sums[2], sums[3]
+        # separate tensors, not views: fairseq does `loss *= 0` on dummy batches
+        loss, nll_loss, n_correct, total = fused_sums(
+            self, model, sample, eps=self.eps, accuracy=self.report_accuracy,
+            ignore_prefix_size=self.ignore_prefix_size)
         sample_size = sample_size_of(self, sample)
         logging_output = {
             "loss": loss.data,
@@ -101,38 +146,29 @@ class LabelSmoothedCrossEntropyChunkedCriterion(LabelSmoothedCrossEntropyCriteri
         }
         if self.report_accuracy:
             logging_output["n_correct"] = int(utils.item(n_correct.data))
-            logging_output["total"] = int(utils.item(total.data))
+            logging_output["total"] = total
         return loss, sample_size, logging_output
-
-    def chunk_loss(self, lprobs, target):
-        """[loss, nll_loss, n_correct, total] of one chunk (no padding in it)."""
-        loss, nll_loss = label_smoothed_nll_loss(lprobs, target, self.eps,
-                                                 ignore_index=self.padding_idx, reduce=True)
-        if self.report_accuracy:
-            n_correct = lprobs.detach().argmax(-1).eq(target).sum().to(loss.dtype)
-        else:
-            n_correct = loss.new_zeros(())
-        return torch.stack([loss, nll_loss, n_correct, loss.new_tensor(target.numel())])
 
 
 @dataclass
 class CrossEntropyChunkedCriterionConfig(CrossEntropyCriterionConfig):
-    loss_chunk_tokens: int = field(default=1024, metadata={"help": CHUNK_HELP})
+    loss_chunk_tokens: int = field(default=DEFAULT_CHUNK_TOKENS, metadata={"help": CHUNK_HELP})
 
 
 @register_criterion("cross_entropy_chunked", dataclass=CrossEntropyChunkedCriterionConfig)
 class CrossEntropyChunkedCriterion(CrossEntropyCriterion):
     """``cross_entropy`` computed over chunks of target tokens."""
 
-    def __init__(self, task, sentence_avg, loss_chunk_tokens=1024):
+    def __init__(self, task, sentence_avg, loss_chunk_tokens=DEFAULT_CHUNK_TOKENS):
         super().__init__(task, sentence_avg)
         self.loss_chunk_tokens = loss_chunk_tokens
+        self.loss_scale = None  # fp16: the trainer's loss scale (see fused.py)
 
     def forward(self, model, sample, reduce=True):
         if not use_chunks(model, self.loss_chunk_tokens, reduce):
+            restore_backward_gather(model)
             return super().forward(model, sample, reduce=reduce)
-        loss = chunked_sums(model, sample, self.chunk_loss, self.loss_chunk_tokens,
-                            self.padding_idx)[0]
+        loss = fused_sums(self, model, sample)[0]
         sample_size = sample_size_of(self, sample)
         logging_output = {
             "loss": loss.data,
@@ -141,6 +177,3 @@ class CrossEntropyChunkedCriterion(CrossEntropyCriterion):
             "sample_size": sample_size,
         }
         return loss, sample_size, logging_output
-
-    def chunk_loss(self, lprobs, target):
-        return F.nll_loss(lprobs, target, ignore_index=self.padding_idx, reduction="sum")[None]

@@ -1,0 +1,430 @@
+"""The step simulator of the memory estimator: one training step of FSDP2 (or fairseq's
+legacy_ddp) on one rank, replayed on a ledger of live bytes per category (rules: estimate.py)."""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Optional
+
+from ..plan import LAYER, ROOT
+from .profile import ModelProfile, UnitSpec
+
+
+#: Categories of the breakdown, in print order (key, label).
+CATEGORIES = (
+    ("sharded", "sharded parameters"),
+    ("gathered", "gathered parameters"),
+    ("grads", "gradients"),
+    ("optim", "optimizer state"),
+    ("acts", "activations"),
+    ("loss", "logits/loss temporaries"),
+    ("comm", "communication buffers"),
+    ("other", "other"),
+)
+
+
+@dataclass
+class Setup:
+    """The run's options that change memory (fairseq-train flags, in plain values)."""
+
+    backend: str = "fsdp2"
+    world_size: int = 1
+    replicate_degree: int = 1
+    precision: str = "fp32"
+    root_reshard: str = "default"
+    no_reshard_after_forward: bool = False
+    reshard_degree: int = 0
+    optimizer: str = "adam"
+    momentum: float = 0.0
+    loss_chunk_tokens: int = 0  # 0: the stock criterion
+    device: str = "cuda"
+    cpu_baseline_gb: Optional[float] = None  # None: cpu_baseline_bytes(vocab)
+    cpu_offload: bool = False
+    update_freq: int = 1
+    no_sync: bool = False
+    checkpoint_activations: bool = False
+    memory_efficient_fp16: bool = False
+    tied_grad_buffer: bool = False  # --fsdp2-tied-grad-buffer: one gradient for all uses
+
+
+# -- the simulation ---------------------------------------------------------------------------
+
+class _Ledger:
+    """Bytes alive per category; ``moment`` records the largest total seen (with transients)."""
+
+    def __init__(self):
+        self.now: Counter = Counter()
+        self.peak_total = -1
+        self.peak: dict[str, int] = {}
+        self.peak_moment = ""
+        self.max: Counter = Counter()  # each category's largest value at any moment
+
+    def add(self, category: str, nbytes: int) -> None:
+        self.now[category] += nbytes
+
+    def sub(self, category: str, nbytes: int) -> None:
+        self.now[category] -= nbytes
+
+    def moment(self, name: str, **transient: int) -> None:
+        snap = Counter(self.now)
+        for k, v in transient.items():
+            snap[k] += v
+        total = sum(snap.values())
+        for k, v in snap.items():
+            self.max[k] = max(self.max[k], v)
+        if total > self.peak_total:
+            self.peak_total, self.peak_moment = total, name
+            self.peak = {k: int(snap.get(k, 0)) for k, _ in CATEGORIES}
+
+
+def _shard_rows(n: int, shards: int, rank: int) -> tuple[int, int]:
+    """(rows on ``rank``, padded rows per rank) when FSDP2 shards dim 0 of size n."""
+    chunk = -(-n // shards)
+    return max(0, min(chunk, n - rank * chunk)), chunk
+
+
+def _unit_sizes(unit: UnitSpec, shards: int, rank: int) -> tuple[int, int, int]:
+    """(elements on this rank, padded unsharded elements, largest single-param shard)."""
+    local = padded = largest = 0
+    for shape in unit.shapes:
+        rest = math.prod(shape[1:])
+        rows, chunk = _shard_rows(shape[0], shards, rank)
+        local += rows * rest
+        padded += chunk * shards * rest
+        largest = max(largest, rows * rest)
+    return local, padded, largest
+
+
+def _optimizer_states(setup: Setup) -> int:
+    if setup.optimizer in ("adam", "adamw", "cpu_adam", "nag"):
+        return 2 if setup.optimizer != "nag" else 1
+    if setup.optimizer == "sgd":
+        return 1 if setup.momentum else 0
+    if setup.optimizer == "adagrad":
+        return 1
+    return 2  # unknown: assume Adam-like
+
+
+class _FSDP2Step:
+    """One training step of FSDP2 (torch 2.13) on one rank, simulated on a ledger.
+
+    The all-gather rules it follows: an all-gather writes a flat output buffer, which is copied
+    out into the unsharded parameters; in forward (more than one rank) FSDP2 keeps that buffer
+    until the next forward copy-out or the end of the model's forward, in backward it frees it
+    at once. The backward of a unit prefetches the unit before it in forward order. A unit's
+    gradients are copied into an fp32 reduce-scatter input buffer, kept until the next
+    reduce-scatter or the end of backward. With one rank, "all-gather" is a copy.
+    """
+
+    def __init__(self, profile: ModelProfile, setup: Setup, rank: int):
+        self.p, self.s = profile, setup
+        self.trace = profile.trace_for(setup.device)
+        self.c = profile.compute_bytes
+        self.shards = setup.world_size // setup.replicate_degree
+        self.units = {u.name: u for u in profile.units}
+        self.local, self.padded, self.largest = {}, {}, 0
+        for u in profile.units:
+            self.local[u.name], self.padded[u.name], big = _unit_sizes(u, self.shards, rank)
+            self.largest = max(self.largest, big)
+        self.full = {n: self.padded[n] * self.c for n in self.units}
+        self.on_device = not (setup.cpu_offload and setup.device == "cuda")
+        self.led = _Ledger()
+        self.gathered: dict[str, int] = {}
+        self.prefetched: dict[str, int] = {}
+        self.retained_ag = 0
+        self.retained_rs = 0
+        self.post_order: list[Optional[str]] = []
+        self.reduced: set[str] = set()
+        self.no_backward_gather: set[str] = set()  # set_unshard_in_backward(False)
+        self.shared = next((u.name for u in profile.units
+                            if set(profile.output_paths) & set(u.module_paths)), ROOT)
+
+    # -- FSDP2's operations -------------------------------------------------------------------
+    def unshard(self, name: str, why: str, forward: bool) -> None:
+        full, have = self.full[name], self.gathered.get(name, 0)
+        if have >= full or (not forward and name in self.no_backward_gather):
+            return
+        led = self.led
+        if self.shards == 1:
+            led.moment(why, gathered=full - have)
+        else:
+            ag = self.prefetched.pop(name, 0)
+            if not ag:
+                ag = full
+                led.add("comm", ag)  # all-gather output buffer
+            if forward and self.retained_ag:
+                led.sub("comm", self.retained_ag)
+                self.retained_ag = 0
+            led.moment(why, gathered=full - have)  # copy-out: buffer and parameters alive
+            if forward:
+                self.retained_ag = ag
+            else:
+                led.sub("comm", ag)
+        led.add("gathered", full - have)
+        self.gathered[name] = full
+
+    def reshard(self, name: str, keep_fraction: float = 0.0) -> None:
+        have = self.gathered.get(name, 0)
+        keep = int(self.full[name] * keep_fraction)
+        if have > keep:
+            self.led.sub("gathered", have - keep)
+            self.gathered[name] = keep
+
+    def post_forward(self, name: str) -> None:
+        setting = self.units[name].reshard
+        if setting is True:
+            self.reshard(name)
+        elif isinstance(setting, int) and not isinstance(setting, bool) and setting > 1:
+            self.reshard(name, 1.0 / setting)
+        self.post_order.append(name)
+
+    def prefetch_before(self, name: str) -> None:
+        """Backward prefetch: all-gather the unit before ``name`` in post-forward order."""
+        idx = next((i for i in range(len(self.post_order) - 1, -1, -1)
+                    if self.post_order[i] == name), None)
+        if idx is None:
+            return
+        self.post_order[idx] = None  # this use is consumed
+        target = next((self.post_order[j] for j in range(idx - 1, -1, -1)
+                       if self.post_order[j] is not None), None)
+        if target is None or self.gathered.get(target, 0) >= self.full[target] \
+                or target in self.prefetched or target in self.no_backward_gather:
+            return
+        if self.shards == 1:
+            self.unshard(target, f"backward: prefetch {target}", forward=False)
+            return
+        self.led.moment(f"backward: prefetch {target}", comm=self.full[target])
+        self.led.add("comm", self.full[target])
+        self.prefetched[target] = self.full[target]
+
+    def reduce_scatter(self, name: str, grad_bytes: int, in_ledger: bool) -> None:
+        led = self.led
+        led.sub("comm", self.retained_rs)  # the previous input buffer is released first
+        self.retained_rs = 0
+        rs_input = self.padded[name] * 4
+        led.moment(f"backward: reduce-scatter {name}", comm=rs_input,
+                   grads=0 if in_ledger else grad_bytes)
+        if in_ledger:
+            led.sub("grads", grad_bytes)  # unsharded gradients dropped after the copy-in
+        led.add("comm", rs_input)
+        self.retained_rs = rs_input
+        if self.on_device:
+            led.add("grads", self.local[name] * 4)
+        self.reduced.add(name)
+        self.reshard(name)
+
+    # -- the step ---------------------------------------------------------------------------------
+    def run(self) -> _Ledger:
+        p, s, led, c = self.p, self.s, self.led, self.c
+        T, V, d = p.workload.tokens, p.vocab, p.embed_dim
+        mixed = c != 4
+        sharded = sum(self.local.values()) * 4
+        if self.on_device:
+            led.add("sharded", sharded)
+            led.add("optim", _optimizer_states(s) * sharded)
+        led.add("other", p.buffer_bytes)
+        if s.update_freq > 1:  # gradients carried over from the earlier micro-batches
+            if s.no_sync:
+                led.add("grads", sum(self.padded.values()) * (4 if mixed else c))
+            elif self.on_device:
+                led.add("grads", sharded)
+        self.forward()
+        if s.loss_chunk_tokens > 0:
+            first_accumulated = self.chunked_loss(min(s.loss_chunk_tokens, T))
+        else:
+            self.stock_loss()
+            first_accumulated = False
+        self.layers_backward(first_accumulated)
+        # end of backward: the root and the units whose inputs need no gradient reduce-scatter
+        for name in (ROOT, self.shared):
+            if name in self.reduced:
+                continue
+            held = self.root_grads if name == ROOT else 0
+            if name == self.shared:
+                held += V * d * c
+            rest = max(self.units[name].numel * c - held, 0)
+            led.add("grads", rest)
+            self.reduce_scatter(name, held + rest, in_ledger=True)
+        led.sub("comm", self.retained_rs)
+        self.retained_rs = 0
+        for name, nbytes in self.prefetched.items():
+            led.sub("comm", nbytes)
+        self.prefetched = {}
+        for name in list(self.gathered):
+            self.reshard(name)
+        # optimizer step (the update's temporary: one tensor the size of the largest shard)
+        led.moment("optimizer step", optim=self.largest * 4 if self.on_device else 0)
+        return led
+
+    def forward(self) -> None:
+        p, s, led = self.p, self.s, self.led
+        to_run: dict[str, set] = {}
+        self.unshard(ROOT, "forward: all-gather root", forward=True)
+        layer_units = [u.name for u in p.units if u.kind == LAYER]
+        for kind, value in self.trace.events:
+            if kind == "act":
+                led.add("acts", value)
+                continue
+            name = p.owner.get(value)
+            if name is None or name == ROOT or value not in self.units[name].module_paths:
+                continue
+            if kind == "enter":
+                if not to_run.get(name):
+                    to_run[name] = set(self.units[name].module_paths)
+                self.unshard(name, f"forward: all-gather {name}", forward=True)
+                if s.device == "cuda" and name in layer_units:
+                    # implicit prefetch: the next layer's all-gather overlaps this layer
+                    i = layer_units.index(name)
+                    nxt = self.full[layer_units[i + 1]] if i + 1 < len(layer_units) else 0
+                    led.moment(f"forward: {name}", comm=nxt)
+            else:
+                remaining = to_run.get(name, set())
+                remaining.discard(value)
+                if not remaining and name in to_run:
+                    del to_run[name]
+                    self.post_forward(name)
+        self.post_forward(ROOT)
+        for name in list(to_run):  # groups the forward did not complete (chunked loss)
+            self.post_forward(name)
+        led.sub("comm", self.retained_ag)  # the root's post-forward frees the last buffer
+        self.retained_ag = 0
+        led.moment("end of forward")
+
+    def stock_loss(self) -> None:
+        p, led, c = self.p, self.led, self.c
+        T, V, d = p.workload.tokens, p.vocab, p.embed_dim
+        float_copy = 4 if c != 4 else 0
+        led.moment("loss forward: logits and log-probabilities", loss=T * V * (c + float_copy + 4))
+        led.moment("loss backward: log-softmax gradient", loss=3 * T * V * 4)
+        led.add("loss", T * V * c)  # the logits' gradient reaches the model output
+        self.unshard(self.shared, f"backward: all-gather {self.shared}", forward=False)
+        self.prefetch_before(self.shared)
+        self.unshard(ROOT, "backward: all-gather root", forward=False)
+        led.moment("backward: output projection", grads=V * d * c, acts=T * d * c)
+        led.sub("loss", T * V * c)
+        led.add("grads", V * d * c)  # the tied weight's gradient, in autograd's buffer
+
+    def chunked_loss(self, n: int) -> bool:
+        """The fused chunked loss (criterions/fused.py): each chunk's logits, softmax and
+        gradients in forward; backward only scales. The shared unit is gathered for the loss if
+        it was resharded after forward, resharded after it, and never gathered in backward."""
+        p, led, c = self.p, self.led, self.c
+        T, V, d = p.workload.tokens, p.vocab, p.embed_dim
+        # the FSDP2 trainer passes fp16's loss scale: gradients in the compute dtype
+        led.add("loss", T * d * c * 2)  # the non-padding features and their gradient
+        regather = self.gathered.get(self.shared, 0) < self.full[self.shared]
+        self.unshard(self.shared, f"loss: all-gather {self.shared}", forward=False)
+        chunk = n * V * (4 + (c if c != 4 else 0))  # float32 logits/softmax (+ 16-bit copy)
+        # the weight gradient (the tied buffer, with it) is created by the first chunk
+        led.moment("loss forward: one chunk", loss=chunk, grads=V * d * c)
+        led.add("grads", V * d * c)
+        led.sub("loss", T * d * c)  # the features; their gradient goes on to the model output
+        if regather:
+            self.reshard(self.shared)
+        self.no_backward_gather.add(self.shared)
+        self.unshard(ROOT, "backward: all-gather root", forward=False)
+        self.prefetch_before(ROOT)
+        led.sub("loss", T * d * c)
+        return True  # the weight's gradient exists: each lookup's gradient adds to it
+
+    def layers_backward(self, accumulated: bool) -> None:
+        p, led, c = self.p, self.led, self.c
+        T, V, d = p.workload.tokens, p.vocab, p.embed_dim
+        recompute = getattr(self.trace, "recompute", {})
+        self.root_grads = 0
+        for kind, value in reversed(self.trace.events):
+            if kind == "act":
+                led.sub("acts", value)
+                continue
+            name = p.owner.get(value)
+            if kind == "exit":  # this module's backward starts
+                if value in p.embed_paths and name is not None:
+                    self.unshard(name, f"backward: all-gather {name}", forward=False)
+                if value in p.layer_params and name not in (None, ROOT):
+                    self.unshard(name, f"backward: all-gather {name}", forward=False)
+                    self.prefetch_before(name)
+                if value in p.layer_params:
+                    led.moment(f"backward: {value}", acts=recompute.get(value, 0)
+                               + 2 * self.trace.max_act.get(value, 0) + T * d * c)
+            elif value in p.layer_params:  # this layer's backward is over
+                n_params = p.layer_params[value]
+                led.moment(f"backward: {value} gradients", grads=n_params * c, acts=2 * T * d * c)
+                if name in (None, ROOT):
+                    self.root_grads += n_params * c
+                    led.add("grads", n_params * c)
+                elif name not in self.reduced:
+                    self.reduce_scatter(name, n_params * c, in_ledger=False)
+            elif value in p.embed_paths:
+                # stock: each lookup's dense vocab x dim gradient, added to the weight's; with
+                # --fsdp2-tied-grad-buffer the rows are added into the one buffer in place
+                extra = (0 if self.s.tied_grad_buffer else
+                         V * d * c if accumulated else 2 * V * d * c)
+                led.moment(f"backward: {value} (embedding gradient)", grads=extra)
+                accumulated = True
+
+
+def simulate_fsdp2(profile: ModelProfile, setup: Setup, rank: int = 0) -> _Ledger:
+    return _FSDP2Step(profile, setup, rank).run()
+
+
+def simulate_ddp(profile: ModelProfile, setup: Setup) -> _Ledger:
+    """fairseq's stock legacy_ddp: every rank holds the whole model, its gradients and state."""
+    c = profile.compute_bytes
+    work, trace = profile.workload, profile.trace_for(setup.device)
+    T, V, d = work.tokens, profile.vocab, profile.embed_dim
+    P = profile.total_params
+    mixed = c != 4
+    led = _Ledger()
+    led.add("gathered", P * c)  # the full model on every rank
+    master = mixed and not setup.memory_efficient_fp16
+    if master:
+        led.add("sharded", P * 4)  # fairseq's FP16Optimizer: fp32 master copy
+    led.add("optim", _optimizer_states(setup) * P * 4)
+    led.add("other", profile.buffer_bytes)
+    if setup.world_size > 1:
+        led.add("comm", P * c)  # LegacyDistributedDataParallel's all-reduce buffer
+    if master:
+        led.add("grads", P * 4)  # the fp32 master gradients, kept between steps
+    float_copy = 4 if mixed else 0
+    for kind, value in trace.events:
+        if kind == "act":
+            led.add("acts", value)
+    led.moment("end of forward")
+    new = V * d * c  # one dense gradient of the tied weight
+    if setup.loss_chunk_tokens <= 0:
+        led.moment("loss forward: logits and log-probabilities", loss=T * V * (c + float_copy + 4))
+        led.moment("loss backward: log-softmax gradient", loss=3 * T * V * 4)
+        led.moment("backward: output projection", loss=T * V * c, grads=new, acts=T * d * c)
+        led.add("grads", new)
+    else:  # the fused chunked loss; fairseq's own trainer passes no fp16 loss scale, so an
+        # fp16 model's loss gradients are float32, computed against a float32 copy of the weight
+        n = min(setup.loss_chunk_tokens, T)
+        g = 4 if setup.precision == "fp16" else c
+        weight_copy = V * d * 4 if setup.precision == "fp16" else 0
+        led.add("loss", T * d * (c + g))  # the features and their gradient
+        chunk = n * V * (4 + (c if c != 4 else 0)) + weight_copy
+        led.moment("loss forward: one chunk", loss=chunk, grads=V * d * g)
+        led.add("grads", V * d * g)
+        led.sub("loss", T * d * (c + g))
+    accumulated = setup.loss_chunk_tokens > 0
+    for kind, value in reversed(trace.events):
+        if kind == "act":
+            led.sub("acts", value)
+        elif kind == "exit" and value in profile.layer_params:
+            led.moment(f"backward: {value}",
+                       acts=2 * trace.max_act.get(value, 0) + T * d * c)
+        elif kind == "enter" and value in profile.layer_params:
+            n_params = profile.layer_params[value]
+            led.moment(f"backward: {value} gradients", grads=n_params * c, acts=2 * T * d * c)
+            led.add("grads", n_params * c)
+        elif kind == "enter" and value in profile.embed_paths:
+            extra = V * d * c if accumulated else 2 * V * d * c
+            led.moment(f"backward: {value} (embedding gradient)", grads=extra)
+            accumulated = True
+    rest = P * c - V * d * c - sum(profile.layer_params.values()) * c
+    led.add("grads", max(rest, 0))
+    largest = max(math.prod(s) for u in profile.units for s in u.shapes)
+    led.moment("optimizer step", optim=largest * 4)
+    return led
+

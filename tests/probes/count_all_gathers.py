@@ -1,0 +1,41 @@
+"""fairseq-train (with the plugin) that counts FSDP2's all-gathers of one update: test code.
+
+``COUNT_UPDATE=N`` (default 2): update N runs under ``torch.profiler`` (public API; FSDP2 labels
+each all-gather ``FSDP::all_gather (<unit's modules>)``); every rank prints one line
+``all-gathers of update N: {"<unit's modules>": count, ...}``. Updates other than N are untouched.
+"""
+import json
+import os
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+PREFIX = "FSDP::all_gather ("
+update = int(os.environ.get("COUNT_UPDATE", "2"))
+
+
+def install() -> None:
+    from fairseq.trainer import Trainer
+
+    real_train_step = Trainer.train_step
+
+    def train_step(self, samples, raise_oom=False):
+        if self.get_num_updates() + 1 != update:
+            return real_train_step(self, samples, raise_oom)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = real_train_step(self, samples, raise_oom)
+        counts = {e.key[len(PREFIX):-1]: e.count for e in prof.key_averages()
+                  if e.key.startswith(PREFIX)}
+        print(f"all-gathers of update {update}: {json.dumps(counts, sort_keys=True)}",
+              flush=True)
+        return out
+
+    # fairseq's Trainer.train_step: FSDP2Trainer calls it through super()
+    Trainer.train_step = train_step
+
+
+install()
+
+if __name__ == "__main__":
+    from fairseq_cli.train import cli_main
+    cli_main()

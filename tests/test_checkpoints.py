@@ -101,25 +101,30 @@ def test_consolidated_export_equals_stock_ddp_and_stock_generate_reads_it(saved_
     assert set(a) == set(b)
     # Both runs made the same 10 Adam updates (lr 1e-3) from the same initial weights; their
     # float32 gradients differ by summation order only (the gradient norm is summed shard by
-    # shard; DDP sums the full gradient). For a gradient element well above its rounding
-    # noise, Adam's step then differs by that relative noise (<= FP32_REORDERED) of an
-    # lr-sized step (adam_step_bound), per update. Key-projection biases have an exact
-    # gradient of zero: their float gradient is noise, which Adam turns into lr-sized steps
-    # in directions the runs do not share, so they are bounded by adam_drift_bound (and
-    # change no output: softmax ignores them).
+    # shard, the tied embedding's uses are added in another order; DDP sums the full
+    # gradient). Adam divides each element's gradient by its own running magnitude, so an
+    # element whose gradient is rounding noise (a key projection's bias, whose exact gradient
+    # is zero: softmax ignores a constant added to every key score) or nearly so (a sum that
+    # cancels: seen in k_proj and q_proj weights once the tied-gradient buffer changed the
+    # order) takes lr-sized steps in directions the two runs do not share. Every element is
+    # therefore bounded by adam_drift_bound, whatever its gradient. The typical element's
+    # gradient is far above its rounding noise; its step then differs by that relative noise
+    # (<= FP32_REORDERED) of an lr-sized step per update: each tensor's median difference is
+    # bounded by that, and key biases, all noise, by the drift alone.
     lr, updates = 1e-3, 10
     drift = adam_drift_bound(lr, updates)
     tight = FP32_REORDERED * lr * sum(adam_step_bound(t) for t in range(1, updates + 1))
-    worst = {}
+    worst, typical = 0.0, 0.0
     for key in b:
         assert a[key].shape == b[key].shape
-        diff = (a[key].float() - b[key].float()).abs().max().item()
-        zero = key.endswith(ZERO_GRADIENT_SUFFIXES)
-        bound = drift if zero else tight
-        assert diff <= bound, (key, diff, bound)
-        worst[zero] = max(worst.get(zero, 0.0), diff)
-    print(f"largest weight difference to stock DDP: {worst[False]:.2e} (bound {tight:.2e}); "
-          f"key biases {worst[True]:.2e} (bound {drift:.2e})")
+        diff = (a[key].float() - b[key].float()).abs()
+        assert diff.max().item() <= drift, (key, diff.max().item(), drift)
+        if not key.endswith(ZERO_GRADIENT_SUFFIXES) and diff.numel() > 1:
+            assert diff.median().item() <= tight, (key, diff.median().item(), tight)
+            typical = max(typical, diff.median().item())
+        worst = max(worst, diff.max().item())
+    print(f"weights vs stock DDP: largest difference {worst:.2e} (bound {drift:.2e}), largest "
+          f"per-tensor median {typical:.2e} (bound {tight:.2e})")
     assert a["decoder.output_projection.weight"].data_ptr() == \
         a["encoder.embed_tokens.weight"].data_ptr()  # tied, as fairseq stores it
 

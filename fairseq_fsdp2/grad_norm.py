@@ -81,5 +81,9 @@ def use_global_grad_norm(optimizer) -> None:
     if issubclass(cls, GlobalGradNorm):
         return
     if cls not in _classes:
-        _classes[cls] = type(f"GlobalNorm{cls.__name__}", (GlobalGradNorm, cls), {})
+        # the same name: fairseq's load_checkpoint refuses a saved optimizer state whose
+        # optimizer_name differs from the optimizer's class name (a stock checkpoint's Adam
+        # state must load into this Adam, and ours into stock fairseq's)
+        _classes[cls] = type(cls.__name__, (GlobalGradNorm, cls),
+                             {"__qualname__": cls.__qualname__})
     optimizer.__class__ = _classes[cls]

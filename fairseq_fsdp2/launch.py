@@ -182,7 +182,7 @@ def _init_process_group(cfg) -> None:
       torch's 30 minutes, and a rank whose peer died before the rendezvous would wait that
       long)."""
     dt = cfg.distributed_training
-    if not dt.distributed_no_spawn or dist.is_initialized() or dt.distributed_init_method is None:
+    if dist.is_initialized() or dt.distributed_init_method is None:
         return
     timeout = timedelta(seconds=dt.heartbeat_timeout) if dt.heartbeat_timeout > 0 else None
     agent = launchers.under_torchrun_agent() and dt.distributed_init_method == "env://"

@@ -10,8 +10,6 @@ and clip like the unsharded model; fairseq's helper, under that emulation, does 
 Then a full state dict held by rank 0 is broadcast into the sharded model.
 """
 import copy
-import json
-import os
 
 import torch
 import torch.distributed as dist
@@ -22,6 +20,8 @@ from omegaconf import OmegaConf
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+
+from probe_report import report_and_exit
 
 from fairseq_fsdp2 import precision
 from fairseq_fsdp2.checkpoint.full_state import broadcast_full_model
@@ -90,10 +90,7 @@ def main() -> None:
     fairseq_utils.multi_tensor_l2norm_available = True
     fairseq_utils.multi_tensor_total_norm = emulated_apex_total_norm
     report = {"plain": check(False, mesh), "offload": check(True, mesh)}
-    print("PROBE " + json.dumps(report), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    report_and_exit(report)
 
 
 if __name__ == "__main__":

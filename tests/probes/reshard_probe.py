@@ -6,14 +6,14 @@ and one more forward after it.
 
 argv: DATA_DIR. Prints one JSON line on rank 0: {setting: {"root": ..., "shared": ...}}.
 """
-import json
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 from fairseq import options, tasks
 from torch.distributed.tensor import DTensor
+
+from probe_report import report_and_exit
 
 import fairseq_fsdp2  # noqa: F401  (registration)
 from fairseq_fsdp2.apply import all_unsharded, apply_plan, build_mesh
@@ -60,11 +60,7 @@ def main():
         report[setting]["after"] = {"root": state(model.encoder.layer_norm.weight),
                                     "layer": state(model.encoder.layers[0].fc1.weight)}
         out.float().sum().backward()
-    if dist.get_rank() == 0:
-        print("PROBE " + json.dumps(report), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    report_and_exit(report, print_here=dist.get_rank() == 0)
 
 
 if __name__ == "__main__":

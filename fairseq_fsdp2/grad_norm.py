@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .local_shards import local_views, multiply_grads
+
 
 def comm_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
     """Where a tensor must be for a collective over ``group``: NCCL moves CUDA tensors only
@@ -53,13 +55,15 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Te
     params = [p for p in params if p.grad is not None]
     norm = total_norm([p.grad for p in params])
     if max_norm > 0 and params:
-        torch.nn.utils.clip_grads_with_norm_(params, float(max_norm), norm)
+        with local_views(params) as views:  # an elementwise scale: local_shards.py says why
+            torch.nn.utils.clip_grads_with_norm_(views, float(max_norm), norm)
     return norm
 
 
 class GlobalGradNorm:
     """Mixin for a fairseq optimizer (``FairseqOptimizer``): its ``clip_grad_norm`` uses
-    :func:`clip_grad_norm_` instead of fairseq's helper. fairseq's fp16 wrappers call the wrapped
+    :func:`clip_grad_norm_` instead of fairseq's helper, and ``multiply_grads`` scales the local
+    shards (local_shards.py). fairseq's fp16 wrappers call the wrapped
     optimizer's ``clip_grad_norm(0, ...)`` for the (scaled) norm and do their own clipping and
     overflow check around it, so that logic stays fairseq's."""
 
@@ -68,6 +72,9 @@ class GlobalGradNorm:
         # already global: fairseq's aggregate for its own FSDP (an all-reduce of the squared
         # norm) would sum it over the ranks once more, so it is not applied
         return norm
+
+    def multiply_grads(self, c):
+        multiply_grads(self.params, c)
 
 
 _classes: dict[type, type] = {}

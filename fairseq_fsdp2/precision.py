@@ -19,6 +19,7 @@ from omegaconf import open_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from .grad_norm import use_global_grad_norm
+from .local_shards import use_local_shards
 
 
 def compute_dtype(common_cfg) -> Optional[torch.dtype]:
@@ -57,7 +58,8 @@ def build_optimizer(cfg, params):
     fairseq's Adam becomes apex's FusedAdam, whose kernels take plain CUDA tensors (not
     DTensors, not offloaded CPU shards): ``use_old_adam`` keeps fairseq's own Adam, as on
     machines without apex. And the gradient norm is the global one over DTensor gradients
-    (grad_norm.py), whatever fairseq's helper would compute."""
+    (grad_norm.py), whatever fairseq's helper would compute; elementwise work (Adam's step,
+    scaling the gradients) runs on the local shards (local_shards.py)."""
     optimizer_cfg = cfg.optimizer
     if "use_old_adam" in optimizer_cfg:
         optimizer_cfg = copy.deepcopy(optimizer_cfg)  # the run's saved cfg stays the user's
@@ -65,6 +67,7 @@ def build_optimizer(cfg, params):
             optimizer_cfg.use_old_adam = True
     inner = optim.build_optimizer(optimizer_cfg, params)
     use_global_grad_norm(inner)
+    use_local_shards(inner.optimizer)  # elementwise optimizers step on the local shards
     if cfg.common.fp16:
         # allow_unsupported: the parameters are fp32 master weights, so any fairseq optimizer
         # is valid under the scaler (the same choice fairseq makes for legacy FSDP + --fp16).

@@ -26,7 +26,8 @@ from launcher import ok, run_ranks, train_inner
 from fairseq_fsdp2 import tied_grad
 from fairseq_fsdp2.data.synthetic import write_random_corpus
 from fairseq_fsdp2.errors import OptionError
-from fairseq_fsdp2.memory.breakdown import FILE_NAME, Category
+from fairseq_fsdp2.memory.breakdown import FILE_NAME
+from fairseq_fsdp2.memory.tracker import Category
 from fairseq_fsdp2.options import FSDP2DistributedTrainingConfig, validate
 
 VOCAB, DIM = 20_000, 64  # transformer_nllb_tiny's dim

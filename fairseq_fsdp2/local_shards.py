@@ -1,0 +1,129 @@
+"""The optimizer's elementwise work done on each rank's local shards, not through DTensor.
+
+Why: fairseq's Adam runs about a dozen tensor operations per parameter per step, and fairseq
+scales every gradient before the step (``multiply_grads``) and again when clipping. On FSDP2's
+DTensor parameters each operation goes through DTensor's dispatch (sharding propagation,
+wrapping the result): a fraction of a millisecond of CPU per operation, so for a model of a few
+hundred parameter tensors (NLLB-600M: 518) most of a second per step, which on a GPU is longer
+than the step itself, and on the tiny test models most of each update.
+
+Why it is exact: FSDP2 shards every parameter, its gradient and (hence) the optimizer's state
+the same way (``Shard(0)`` on the same mesh, the same local shape on a rank), and these
+operations are elementwise. Running them on the local tensors is what DTensor's dispatch does
+anyway, without the dispatch: the same aten operations on the same local tensors, bit for bit
+(``tests/test_local_shards.py`` compares against the DTensor path). Only optimizers known to be
+elementwise get this path (:data:`ELEMENTWISE`); any other (e.g. Adafactor, whose factored
+second moment needs whole rows and columns) keeps the DTensor path.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, Iterator
+
+import torch
+from torch.distributed.tensor import DTensor
+
+#: Optimizers whose ``step`` is elementwise per parameter (module, class name).
+ELEMENTWISE = frozenset({("fairseq.optim.adam", "Adam")})
+
+
+@contextlib.contextmanager
+def local_views(params: Iterable[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    """Each parameter as its local tensor (a view sharing its storage), with ``.grad`` the local
+    shard of its gradient; plain tensors are given as they are. The views' ``.grad`` is
+    cleared on exit (the parameters keep theirs)."""
+    views: list[torch.Tensor] = []
+    made: list[torch.Tensor] = []
+    with torch.no_grad():
+        for p in params:
+            if isinstance(p, DTensor):
+                view = p.to_local()
+                view.grad = None if p.grad is None else p.grad.to_local()
+                made.append(view)
+                p = view
+            views.append(p)
+    try:
+        yield views
+    finally:
+        for view in made:
+            view.grad = None
+
+
+def _as_dtensor(value, param: DTensor, old):
+    """A state entry computed on ``param``'s local view, as the DTensor it stands for: the old
+    DTensor where the step updated it in place, else a new one over the same local tensor."""
+    if not torch.is_tensor(value) or isinstance(value, DTensor) \
+            or value.shape != param.to_local().shape:
+        return value  # the step count, scalars
+    if isinstance(old, DTensor) and old.to_local().data_ptr() == value.data_ptr():
+        return old
+    return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
+class LocalShardStep:
+    """Mixin for a torch optimizer listed in :data:`ELEMENTWISE`: ``step`` sees each DTensor
+    parameter as its local view (with the local gradient and state), then the state it made or
+    replaced is stored back as DTensors keyed by the real parameters (what checkpoints save)."""
+
+    def step(self, *args, **kwargs):
+        groups = [group["params"] for group in self.param_groups]
+        state = self.state
+        all_params = [p for params in groups for p in params]
+        with local_views(all_params) as views:
+            local = dict(zip(map(id, all_params), views))
+            self.state = type(state)(state.default_factory) \
+                if hasattr(state, "default_factory") else type(state)()
+            for p, view in zip(all_params, views):
+                if p in state:
+                    self.state[view] = {k: v.to_local() if isinstance(v, DTensor) else v
+                                        for k, v in state[p].items()}
+            try:
+                for group in self.param_groups:
+                    group["params"] = [local[id(p)] for p in group["params"]]
+                return super().step(*args, **kwargs)
+            finally:
+                local_state = self.state
+                for group, params in zip(self.param_groups, groups):
+                    group["params"] = params
+                self.state = state
+                for p, view in zip(all_params, views):
+                    if view not in local_state:
+                        continue
+                    if isinstance(p, DTensor):
+                        old = state.get(p, {})
+                        state[p] = {k: _as_dtensor(v, p, old.get(k))
+                                    for k, v in local_state[view].items()}
+                    else:
+                        state[p] = local_state[view]
+
+
+def multiply_grads(params: Iterable[torch.Tensor], c) -> None:
+    """fairseq's ``multiply_grads`` (scale every gradient by ``c``, a number or a scalar tensor)
+    on the local shards, one ``_foreach_mul_`` per device and dtype as fairseq does."""
+    with local_views(params) as views:
+        by_kind: dict[tuple, list[torch.Tensor]] = {}
+        for view in views:
+            if view.grad is not None:
+                by_kind.setdefault((view.grad.device, view.grad.dtype), []).append(view.grad)
+        for (device, _), grads in by_kind.items():
+            torch._foreach_mul_(grads, c.to(device) if torch.is_tensor(c) else c)
+
+
+_classes: dict[type, type] = {}
+
+
+def use_local_shards(torch_optimizer: torch.optim.Optimizer) -> bool:
+    """Give ``torch_optimizer`` the local-shard step if it is elementwise; returns whether it
+    did. The class becomes a subclass of the same name (as ``fully_shard`` changes a module's
+    class; the name is what fairseq and torch show)."""
+    cls = type(torch_optimizer)
+    if issubclass(cls, LocalShardStep):
+        return True
+    if (cls.__module__, cls.__name__) not in ELEMENTWISE:
+        return False
+    if cls not in _classes:
+        _classes[cls] = type(cls.__name__, (LocalShardStep, cls),
+                             {"__qualname__": cls.__qualname__, "__module__": cls.__module__})
+    torch_optimizer.__class__ = _classes[cls]
+    return True

@@ -1,0 +1,123 @@
+"""One rank of the local-shard optimizer check (tests/test_local_shards.py), on gloo. Prints one
+``PROBE {json}`` line.
+
+Two copies of a small model (rows that do not divide evenly over 2 ranks, a bias, a weight
+decay that touches every element) are sharded with FSDP2 and trained 4 steps on the same
+batches. The reference is the plugin's optimizer with that work given back to DTensor dispatch
+(fairseq's ``multiply_grads``, torch's clipping and fairseq's Adam on the DTensors); the other
+is the plugin's optimizer as built, which does it on the local shards; both under fairseq's fp16
+wrapper too (loss scaling, deferred unscaling). Every parameter and every state tensor must be bit-identical.
+"""
+import types
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from fairseq import optim
+from fairseq.optim.adafactor import Adafactor
+from fairseq.optim.adam import FairseqAdamConfig
+from fairseq.optim.fairseq_optimizer import FairseqOptimizer
+from omegaconf import OmegaConf
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from probe_report import report_and_exit
+
+from fairseq_fsdp2 import grad_norm, precision
+from fairseq_fsdp2.local_shards import LocalShardStep, use_local_shards
+
+MAX_NORM = 0.5
+STEPS = 4
+
+
+def model(mesh) -> nn.Module:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    for layer in (m[0], m[2]):
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(m, mesh=mesh)
+
+
+def cfg(fp16: bool):
+    adam = OmegaConf.structured(FairseqAdamConfig(
+        _name="adam", lr=[1e-2], weight_decay=0.01, tpu=False))
+    return OmegaConf.create({  # what fairseq's fp16 wrapper reads
+        "common": {"fp16": fp16, "fp16_init_scale": 8, "fp16_scale_window": None,
+                   "fp16_scale_tolerance": 0.0, "threshold_loss_scale": None,
+                   "min_loss_scale": 1e-4, "model_parallel_size": 1},
+        "distributed_training": {"distributed_world_size": dist.get_world_size()},
+        "optimization": {"update_freq": [1]}, "optimizer": adam})
+
+
+def backward(m: nn.Module, step: int, scale: float) -> None:
+    torch.manual_seed(100 + step)  # the same batch on every rank and for both models
+    (m(torch.randn(7, 6) * 3).square().sum() * scale).backward()
+
+
+def dtensor_path(optimizer):
+    """The same optimizer with the elementwise work left to DTensor dispatch: fairseq's
+    ``multiply_grads`` and torch's clipping on the DTensors, the optimizer's own ``step``."""
+    inner = optimizer.wrapped_optimizer if hasattr(optimizer, "wrapped_optimizer") else optimizer
+    inner.optimizer.__class__ = type(inner.optimizer).__mro__[2]  # (ours, LocalShardStep, cls)
+    inner.multiply_grads = types.MethodType(FairseqOptimizer.multiply_grads, inner)
+
+    def clip_grad_norm(max_norm, aggregate_norm_fn=None):
+        params = [p for p in inner.params if p.grad is not None]
+        norm = grad_norm.total_norm([p.grad for p in params])
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+    inner.clip_grad_norm = clip_grad_norm
+    return optimizer
+
+
+def torch_optimizer(optimizer):
+    inner = optimizer.wrapped_optimizer if hasattr(optimizer, "wrapped_optimizer") else optimizer
+    return inner.optimizer
+
+
+def run(fp16: bool) -> dict:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    reference, ours = model(mesh), model(mesh)
+    ref_params, our_params = list(reference.parameters()), list(ours.parameters())
+    ref_opt = dtensor_path(precision.build_optimizer(cfg(fp16), ref_params))
+    our_opt = precision.build_optimizer(cfg(fp16), our_params)
+    for step in range(STEPS):
+        for m, opt in ((reference, ref_opt), (ours, our_opt)):
+            opt.zero_grad()
+            backward(m, step, opt.scaler.loss_scale if fp16 else 1.0)
+            opt.multiply_grads(0.7)
+            opt.clip_grad_norm(MAX_NORM)
+            opt.step()
+    torch_opt = torch_optimizer(our_opt)
+    ref_state = [torch_optimizer(ref_opt).state[p] for p in ref_params]
+    our_state = [torch_opt.state[p] for p in our_params]
+    return {
+        "local_path": isinstance(torch_opt, LocalShardStep),
+        "class_name": type(torch_opt).__name__,
+        "param_max_diff": max((a.full_tensor() - b.full_tensor()).abs().max().item()
+                              for a, b in zip(ref_params, our_params)),
+        "params_moved": min((a.full_tensor() - b.full_tensor()).abs().max().item()
+                            for a, b in zip(our_params, model(mesh).parameters())),
+        "state_keys_equal": all(set(a) == set(b) for a, b in zip(ref_state, our_state)),
+        "state_max_diff": max((a[k].full_tensor() - b[k].full_tensor()).abs().max().item()
+                              for a, b in zip(ref_state, our_state)
+                              for k in a if torch.is_tensor(a[k])),
+        "state_steps": sorted({b["step"] for b in our_state}),
+        "state_is_dtensor": all(isinstance(b[k], DTensor) and b[k].placements == p.placements
+                                for b, p in zip(our_state, our_params)
+                                for k in b if torch.is_tensor(b[k])),
+    }
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    adafactor = Adafactor([nn.Parameter(torch.ones(2))], lr=1e-2, relative_step=False)
+    report = {"fp32": run(False), "fp16_wrapper": run(True),
+              "adafactor_local_path": use_local_shards(adafactor)}
+    report_and_exit(report)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""The optimizer's elementwise work on the local shards (fairseq_fsdp2/local_shards.py) computes
+exactly what DTensor dispatch computes: 2 real gloo ranks, uneven shards, 4 steps with
+gradient scaling, clipping, weight decay, and fairseq's fp16 loss-scaling wrapper."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import REPO
+from launcher import ok, run_ranks
+
+PROBES = str(REPO / "tests" / "probes")
+
+
+@pytest.fixture(scope="module")
+def report():
+    out = ok(run_ranks(2, lambda r: [], module="local_shards_probe", env={"PYTHONPATH": PROBES}))
+    return json.loads(next(line for line in out.splitlines() if line.startswith("PROBE "))[6:])
+
+
+@pytest.mark.parametrize("case", ["fp32", "fp16_wrapper"])
+def test_local_shard_step_is_bit_identical_to_dtensor_dispatch(report, case):
+    r = report[case]
+    assert r["local_path"] and r["class_name"] == "Adam"  # the path under test was taken
+    assert r["params_moved"] > 1e-3  # 4 Adam steps at lr 1e-2 moved every tensor
+    # the same aten operations on the same local tensors: equal bit for bit, no tolerance
+    assert r["param_max_diff"] == 0.0
+    assert r["state_keys_equal"] and r["state_max_diff"] == 0.0
+    assert r["state_steps"] == [4]
+    # the state stays DTensors laid out like their parameters (what checkpoints reshard)
+    assert r["state_is_dtensor"]
+
+
+def test_non_elementwise_optimizers_keep_the_dtensor_path(report):
+    # Adafactor's factored second moment needs whole rows and columns of each parameter
+    assert report["adafactor_local_path"] is False

@@ -4,7 +4,7 @@ Why: fairseq's Adam runs about a dozen tensor operations per parameter per step,
 scales every gradient before the step (``multiply_grads``) and again when clipping. On FSDP2's
 DTensor parameters each operation goes through DTensor's dispatch (sharding propagation,
 wrapping the result): a fraction of a millisecond of CPU per operation, so for a model of a few
-hundred parameter tensors (NLLB-600M: 518) most of a second per step, which on a GPU is longer
+hundred parameter tensors (NLLB-600M: 509) most of a second per step, which on a GPU is longer
 than the step itself, and on the tiny test models most of each update.
 
 Why it is exact: FSDP2 shards every parameter, its gradient and (hence) the optimizer's state

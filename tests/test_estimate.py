@@ -64,8 +64,6 @@ def train_args(data: Path, save_dir: Path, *extra: str) -> list[str]:
 
 VALIDATION = {
     "1 rank, fp32, per-layer, root default": (1, ["--min-params-to-wrap", "1"]),
-    "2 ranks, fp32, per-layer, root always": (
-        2, ["--min-params-to-wrap", "1", "--fsdp2-root-reshard", "always"]),
     # bf16 matmuls are several times slower on CPUs without AVX-512 BF16 (170 s at 40
     # sentences and 3 updates on one of our machines): 24 sentences (and, as for every case,
     # one steady update: 0.4x the work) still measure the bf16 and whole-model-unit terms,

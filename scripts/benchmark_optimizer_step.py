@@ -1,0 +1,90 @@
+"""(not a test; `.venv/bin/python scripts/benchmark_optimizer_step.py`, env TENSORS, ELEMENTS,
+STEPS) The CPU time of the optimizer's part of an update on FSDP2 parameters: fairseq's
+``multiply_grads``, the global-norm clipping and fairseq's Adam step, done through DTensor dispatch
+(the path before local_shards.py) and on the local shards (the plugin's path), side by side in one
+process, interleaved, medians.
+
+The cost measured is per tensor operation, not per element: TENSORS defaults to NLLB-600M's
+parameter tensor count (509: 12 + 12 layers, the shared embedding, 2 final
+layer norms; their sizes add up to its 615,073,792 parameters) and ELEMENTS keeps each small so
+that the arithmetic does not hide it, as on a GPU, where it runs asynchronously and the CPU's
+dispatch is what the step waits for. One rank (gloo): DTensor's dispatch costs the same at any
+world size.
+"""
+import os
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from fairseq.optim.adam import FairseqAdamConfig
+from fairseq.optim.fairseq_optimizer import FairseqOptimizer
+from omegaconf import OmegaConf
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fairseq_fsdp2 import grad_norm, precision  # noqa: E402
+
+
+def model(tensors: int, elements: int) -> nn.Module:
+    torch.manual_seed(0)
+    layers = nn.Sequential(*(nn.Linear(elements, 1) for _ in range(tensors // 2)))
+    for layer in layers:
+        fully_shard(layer)
+    return fully_shard(layers)
+
+
+def optimizer(params, dtensor_path: bool):
+    adam = OmegaConf.structured(FairseqAdamConfig(_name="adam", lr=[1e-3], tpu=False))
+    cfg = OmegaConf.create({"common": {"fp16": False}, "optimizer": adam})
+    opt = precision.build_optimizer(cfg, params)
+    if dtensor_path:  # what the plugin did before local_shards.py
+        opt.optimizer.__class__ = type(opt.optimizer).__mro__[2]
+        opt.multiply_grads = types.MethodType(FairseqOptimizer.multiply_grads, opt)
+
+        def clip(max_norm, aggregate_norm_fn=None):
+            norm = grad_norm.total_norm([p.grad for p in params])
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+            return norm
+        opt.clip_grad_norm = clip
+    return opt
+
+
+def main() -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29571")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    init_device_mesh("cpu", (1,))
+    tensors, elements = int(os.environ.get("TENSORS", 509)), int(os.environ.get("ELEMENTS", 64))
+    steps = int(os.environ.get("STEPS", 20))
+    runs = {}
+    for name, dtensor_path in (("DTensor dispatch", True), ("local shards", False)):
+        m = model(tensors, elements)
+        params = list(m.parameters())
+        for p in params:
+            p.grad = torch.full_like(p, 1e-3)
+        runs[name] = (params, optimizer(params, dtensor_path), [])
+    for _ in range(steps):
+        for name, (params, opt, times) in runs.items():
+            start = time.perf_counter()
+            opt.multiply_grads(0.5)
+            opt.clip_grad_norm(1.0)
+            opt.step()
+            times.append(time.perf_counter() - start)
+    med = {name: statistics.median(times[1:]) for name, (_, _, times) in runs.items()}
+    print(f"{tensors} parameter tensors of {elements} elements, {steps} steps (first dropped), "
+          f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"load {os.getloadavg()[0]:.2f}")
+    for name, t in med.items():
+        print(f"{name}: median {t * 1000:.1f} ms per update's optimizer work")
+    print(f"local shards: {med['DTensor dispatch'] / med['local shards']:.1f}x faster")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -7,7 +7,7 @@ finalizers) or its own ``os._exit``. What is shared is only the ~5 s of importin
 fairseq, which otherwise dominates each 2-rank run of the suite on 2 cores.
 
 Protocol (one JSON object per line): stdin gets ``{"id", "module", "args", "env", "cwd",
-"out"}``; stdout answers ``{"id", "pid"}`` when forked and ``{"id", "returncode"}`` (negative: the
+"out"}`` and optionally ``"stdin"`` (a file the child reads as its stdin); stdout answers ``{"id", "pid"}`` when forked and ``{"id", "returncode"}`` (negative: the
 signal) when the process ends. Single-threaded on purpose: forking a multi-threaded process can
 leave locks held in the child.
 """
@@ -51,9 +51,9 @@ def run_child(request: dict) -> None:
     os.dup2(out, 1)
     os.dup2(out, 2)
     os.close(out)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
+    stdin = os.open(request.get("stdin") or os.devnull, os.O_RDONLY)
+    os.dup2(stdin, 0)
+    os.close(stdin)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])

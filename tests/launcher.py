@@ -75,10 +75,11 @@ class ForkServer:
                 self._cond.wait(left if left is not None else 1.0)
             return self._answers[key][field]
 
-    def start(self, module: str, args: Sequence[str], env: dict, out: str) -> "Forked":
+    def start(self, module: str, args: Sequence[str], env: dict, out: str,
+              stdin: Optional[str] = None) -> "Forked":
         key = str(next(self._ids))
         request = {"id": key, "module": module, "args": list(args), "env": env,
-                   "cwd": os.getcwd(), "out": out}
+                   "cwd": os.getcwd(), "out": out, "stdin": stdin}
         with self._lock:
             self._proc.stdin.write(json.dumps(request) + "\n")
             self._proc.stdin.flush()
@@ -193,6 +194,25 @@ def run_ranks(nproc: int, args: Callable[[int], Sequence[str]], *, timeout: floa
     return finish_ranks(start_ranks(nproc, args, module=module, env=env,
                                     fresh_interpreter=fresh_interpreter,
                                     torchrun_env=torchrun_env), timeout)
+
+
+def run_command(module: str, *args, input: Optional[str] = None,
+                timeout: float = 240) -> RankResult:
+    """``python -m module args`` as one plain process (no torchrun environment), forked from
+    the pre-imported server: for fairseq's other commands (generate, interactive) and the
+    plugin's (consolidate). A module the server did not import (the plugin: fairseq-generate
+    without --user-dir never sees it) is imported by the child, as on the command line.
+    ``input``: text on its stdin. Its stdout and stderr, together, are the result's output."""
+    logs = tempfile.mkdtemp(prefix="command-")
+    stdin = None
+    if input is not None:
+        stdin = os.path.join(logs, "stdin")
+        with open(stdin, "w") as f:
+            f.write(input)
+    proc = fork_server().start(module, [str(a) for a in args], base_env(),
+                               os.path.join(logs, "out.log"), stdin)
+    (result,) = finish_ranks([proc], timeout)
+    return result
 
 
 def ok(results: list[RankResult]) -> str:

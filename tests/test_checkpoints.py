@@ -12,7 +12,7 @@ import torch
 import fairseq_fsdp2  # noqa: F401  (allow-lists the classes fairseq pickles for torch.load)
 
 from conftest import REPO, stock_ddp
-from launcher import base_env, ok, run_ranks, train_inner, train_summary
+from launcher import base_env, ok, run_command, run_ranks, train_inner, train_summary
 from numerics import (FP32_REORDERED, ZERO_GRADIENT_SUFFIXES, adam_drift_bound, adam_step_bound,
                       assert_runs_close, per_update, printed_close)
 
@@ -128,16 +128,14 @@ def test_consolidated_export_equals_stock_ddp_and_stock_generate_reads_it(saved_
     assert a["decoder.output_projection.weight"].data_ptr() == \
         a["encoder.embed_tokens.weight"].data_ptr()  # tied, as fairseq stores it
 
-    def generate(path, *extra):
-        proc = subprocess.run([str(BIN / "fairseq-generate"), str(corpus), "--path", str(path),
-                               "--gen-subset", "valid", "--beam", "2", "--max-tokens", "2000",
-                               "--cpu", *extra], capture_output=True, text=True,
-                              env=base_env(), timeout=120)
-        assert proc.returncode == 0, proc.stderr[-2000:]
+    def generate(path, *extra):  # fairseq-generate (forked: see launcher.run_command)
+        proc = run_command("fairseq_cli.generate", corpus, "--path", path, "--gen-subset",
+                           "valid", "--beam", "2", "--max-tokens", "2000", "--cpu", *extra)
+        assert proc.returncode == 0, proc.output[-2000:]
         # id and hypothesis (scores may differ in the last float digit)
-        hyps = sorted((l.split("\t")[0], l.split("\t")[2]) for l in proc.stdout.splitlines()
+        hyps = sorted((l.split("\t")[0], l.split("\t")[2]) for l in proc.output.splitlines()
                       if l.startswith("H-"))
-        return hyps, proc.stdout
+        return hyps, proc.output
     hyps, out = generate(ours)  # stock fairseq-generate, no --user-dir
     assert len(hyps) > 90 and "BLEU" in out
     # fairseq's own DDP checkpoint holds an argparse.Namespace, which torch >= 2.6 refuses to
@@ -146,17 +144,15 @@ def test_consolidated_export_equals_stock_ddp_and_stock_generate_reads_it(saved_
 
     # the command gives the same file
     cli = tmp_path / "cli.pt"
-    subprocess.run([sys.executable, "-m", "fairseq_fsdp2.consolidate",
-                    str(root / "run" / "checkpoint_last.pt"), str(cli)], check=True,
-                   capture_output=True, env=base_env())
+    proc = run_command("fairseq_fsdp2.consolidate", root / "run" / "checkpoint_last.pt", cli)
+    assert proc.returncode == 0, proc.output[-2000:]
     c = torch.load(cli, weights_only=True)["model"]
     assert all(torch.equal(c[k], a[k]) for k in a)
 
-    inter = subprocess.run([str(BIN / "fairseq-interactive"), str(corpus), "--path", str(ours),
-                            "--source-lang", "src", "--target-lang", "tgt", "--cpu"],
-                           input="s1 s2 s3\ns4 s5\n", capture_output=True, text=True,
-                           env=base_env(), timeout=120)
-    assert inter.returncode == 0 and inter.stdout.count("\nH-") == 2, inter.stderr[-2000:]
+    inter = run_command("fairseq_cli.interactive", corpus, "--path", ours, "--source-lang",
+                        "src", "--target-lang", "tgt", "--cpu", input="s1 s2 s3\ns4 s5\n")
+    assert inter.returncode == 0, inter.output[-2000:]
+    assert sum(l.startswith("H-") for l in inter.output.splitlines()) == 2, inter.output[-2000:]
 
 
 def _restore(tmp_path, args, restore, *extra, world=1):

@@ -16,7 +16,6 @@ fairscale is a test-only requirement (requirements-dev.txt), installed by script
 """
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,9 +23,8 @@ import pytest
 import torch
 
 from conftest import TESTS, TINY_MODEL, TRAINING
-from launcher import base_env, run_ranks
+from launcher import run_command, run_ranks
 
-BIN = Path(sys.executable).parent
 FIXTURE_DEPS = Path(sys.prefix) / "fixture-deps"  # fairscale, see requirements-dev.txt
 
 
@@ -139,12 +137,11 @@ def test_consolidated_equals_the_model_and_stock_generate_reads_it(legacy_save, 
     assert state["cfg"]["distributed_training"]["ddp_backend"] == "pytorch_ddp"
 
     # stock fairseq-generate (no --user-dir) loads it strictly; short outputs keep it quick
-    proc = subprocess.run([str(BIN / "fairseq-generate"), str(corpus), "--path", str(result),
-                           "--gen-subset", "valid", "--beam", "1", "--max-len-a", "0",
-                           "--max-len-b", "2", "--max-tokens", "4000", "--cpu"],
-                          capture_output=True, text=True, env=base_env(), timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert sum(l.startswith("H-") for l in proc.stdout.splitlines()) > 90
+    proc = run_command("fairseq_cli.generate", corpus, "--path", result, "--gen-subset",
+                       "valid", "--beam", "1", "--max-len-a", "0", "--max-len-b", "2",
+                       "--max-tokens", "4000", "--cpu")
+    assert proc.returncode == 0, proc.output[-2000:]
+    assert sum(l.startswith("H-") for l in proc.output.splitlines()) > 90
 
 
 @pytest.mark.parametrize("flatten", [True, False])

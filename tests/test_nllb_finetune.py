@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 
 import pytest
 
 from conftest import REPO
-from launcher import base_env, run_ranks
+from launcher import base_env, run_command, run_ranks
 
 from fairseq_fsdp2.data import numbers
 from fairseq_fsdp2.data.prepare import prepare
@@ -142,18 +141,17 @@ def test_two_rank_cpu_finetune_and_stock_generate(data, tmp_path):
     assert consolidated.is_file() and (save / "checkpoint_best_consolidated.pt").is_file()
 
     # stock fairseq, in a process that never imports the plugin
-    gen = subprocess.run(
-        [sys.executable, "-m", "fairseq_cli.generate", str(data), "--path", str(consolidated),
-         "--task", "translation_multi_simple_epoch", "--source-lang", "eng_Latn",
-         "--target-lang", "fra_Latn", "--lang-pairs", "eng_Latn-fra_Latn,eng_Latn-deu_Latn",
-         "--langs", (data / "langs.txt").read_text().strip(), "--encoder-langtok", "src",
-         "--decoder-langtok", "--gen-subset", "test", "--beam", "1", "--max-len-b", "20",
-         "--batch-size", "64", "--required-batch-size-multiple", "1", "--cpu",
-         "--num-workers", "0", "--remove-bpe", "sentencepiece"],
-        capture_output=True, text=True, env=base_env(), timeout=120)
-    assert gen.returncode == 0, gen.stderr[-3000:]
-    assert "fairseq_fsdp2" not in gen.stderr
-    assert len(re.findall(r"^H-\d+\t", gen.stdout, re.M)) == N_TEST
+    gen = run_command(
+        "fairseq_cli.generate", data, "--path", consolidated,
+        "--task", "translation_multi_simple_epoch", "--source-lang", "eng_Latn",
+        "--target-lang", "fra_Latn", "--lang-pairs", "eng_Latn-fra_Latn,eng_Latn-deu_Latn",
+        "--langs", (data / "langs.txt").read_text().strip(), "--encoder-langtok", "src",
+        "--decoder-langtok", "--gen-subset", "test", "--beam", "1", "--max-len-b", "20",
+        "--batch-size", "64", "--required-batch-size-multiple", "1", "--cpu",
+        "--num-workers", "0", "--remove-bpe", "sentencepiece")
+    assert gen.returncode == 0, gen.output[-3000:]
+    assert "fairseq_fsdp2" not in gen.output
+    assert len(re.findall(r"^H-\d+\t", gen.output, re.M)) == N_TEST
 
     # and fine-tuning from it (--pretrained: --finetune-from-model) starts where it ended
     proc = run_script("--data", data, "--model-size", "tiny", "--cpu", "--nproc", 2,

@@ -2,8 +2,6 @@
 bad checkpoints refused with one line, a killed save leaves the previous checkpoint intact."""
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +10,7 @@ import torch
 import fairseq_fsdp2  # noqa: F401  (allow-lists the classes fairseq pickles for torch.load)
 
 from conftest import REPO, stock_ddp
-from launcher import base_env, ok, run_command, run_ranks, train_inner, train_summary
+from launcher import ok, run_command, run_ranks, train_inner, train_summary
 from numerics import (FP32_REORDERED, ZERO_GRADIENT_SUFFIXES, adam_drift_bound, adam_step_bound,
                       assert_runs_close, per_update, printed_close)
 
@@ -21,7 +19,6 @@ FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1"]
 # an update is split over ranks and micro-batches; without it every world size is one model
 EXACT = ["--dropout", "0", "--max-tokens", "200", "--save-interval-updates", "2"]
 FIELDS = ("train_loss", "train_ppl", "train_gnorm", "train_num_updates")
-BIN = Path(sys.executable).parent
 
 
 @pytest.fixture(scope="module")
@@ -206,12 +203,11 @@ def test_pretrained_stock_checkpoint_loads_without_full_copies_on_every_rank(cor
            "--decoder-ffn-embed-dim", "2048"]
     stock_dir = tmp_path / "stock"
     # a stock checkpoint, written by fairseq itself (one process, no plugin)
-    proc = subprocess.run([str(BIN / "fairseq-train"), str(corpus), *big, *TRAINING,
-                           "--max-update", "1", "--save-dir", str(stock_dir),
-                           "--no-save-optimizer-state", "--no-epoch-checkpoints"],
-                          # a hang guard: ~20 s when idle, minutes on a loaded machine
-                          env=base_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    proc = run_command("fairseq_cli.train", corpus, *big, *TRAINING, "--max-update", "1",
+                       "--save-dir", stock_dir, "--no-save-optimizer-state",
+                       "--no-epoch-checkpoints",
+                       timeout=900)  # a hang guard: seconds when idle, minutes when loaded
+    assert proc.returncode == 0, proc.output[-4000:]
     pretrained = stock_dir / "checkpoint_last.pt"
     model = torch.load(pretrained, weights_only=True, mmap=True)["model"]
     unique = {t.data_ptr(): t for t in model.values()}.values()

@@ -66,6 +66,25 @@ def test_saves_are_sharded_one_file_per_rank(saved_run):
     assert len(files) == 2  # one per rank: nothing was gathered on one rank
 
 
+def test_tied_embedding_is_stored_once(saved_run):
+    """The shared embedding has 3 names (encoder/decoder embed_tokens, output_projection): the
+    shards hold it once, under the canonical name; the header lists the other two, which the
+    export and the load restore as aliases of the one tensor."""
+    import torch.distributed.checkpoint as dcp
+
+    root, _, _ = saved_run
+    state = torch.load(root / "run" / "checkpoint_1_10.pt", weights_only=True)
+    assert state["fsdp2"]["version"] == 2
+    aliases = state["fsdp2"]["aliases"]
+    assert aliases == {"decoder.embed_tokens.weight": "encoder.embed_tokens.weight",
+                       "decoder.output_projection.weight": "encoder.embed_tokens.weight"}
+    metadata = dcp.FileSystemReader(
+        str(root / "run" / state["fsdp2"]["shards"])).read_metadata()
+    stored = {i.fqn for i in metadata.storage_data}
+    assert "model.encoder.embed_tokens.weight" in stored
+    assert not any(f"model.{alias}" in stored for alias in aliases), sorted(stored)
+
+
 def test_shards_of_deleted_checkpoints_are_collected(train_args, tmp_path):
     """fairseq deletes checkpoints beyond --keep-interval-updates 2 after each save; the next
     save removes their shard directories and keeps the ones still referenced."""

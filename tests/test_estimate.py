@@ -114,8 +114,8 @@ def test_prediction_within_10_percent_of_measured_peak(big_vocab, tmp_path, name
 def shard_bytes_per_rank(shard_dir: Path, aliases=()) -> dict[int, dict[str, int]]:
     """Bytes of the tensors each rank held, by what they are ("model": parameters and buffers,
     "optim": optimizer state), counted from the chunks each rank wrote to a DCP checkpoint.
-    ``aliases``: other names of a tied weight (one tensor in memory; DCP writes it under every
-    name, so they are skipped here)."""
+    ``aliases``: other names of a tied weight (one tensor in memory; shards of format version 1
+    held it under every name, so they are skipped here)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 

@@ -18,6 +18,7 @@ second moment needs whole rows and columns) keeps the DTensor path.
 from __future__ import annotations
 
 import contextlib
+from collections import defaultdict
 from typing import Iterable, Iterator
 
 import torch
@@ -49,13 +50,13 @@ def local_views(params: Iterable[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
             view.grad = None
 
 
-def _as_dtensor(value, param: DTensor, old):
-    """A state entry computed on ``param``'s local view, as the DTensor it stands for: the old
-    DTensor where the step updated it in place, else a new one over the same local tensor."""
-    if not torch.is_tensor(value) or isinstance(value, DTensor) \
-            or value.shape != param.to_local().shape:
+def _as_dtensor(value, param: DTensor, view: torch.Tensor, old, given):
+    """A state entry computed on ``param``'s local ``view``, as the DTensor it stands for: the
+    old DTensor where the step kept the local tensor it was ``given`` (updated in place), else
+    a new one over the local tensor the step made."""
+    if not torch.is_tensor(value) or isinstance(value, DTensor) or value.shape != view.shape:
         return value  # the step count, scalars
-    if isinstance(old, DTensor) and old.to_local().data_ptr() == value.data_ptr():
+    if value is given:
         return old
     return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
                               shape=param.shape, stride=param.stride())
@@ -72,12 +73,13 @@ class LocalShardStep:
         all_params = [p for params in groups for p in params]
         with local_views(all_params) as views:
             local = dict(zip(map(id, all_params), views))
-            self.state = type(state)(state.default_factory) \
-                if hasattr(state, "default_factory") else type(state)()
+            self.state = defaultdict(dict)  # torch's own kind of state, keyed by the views
+            given: dict[int, dict] = {}  # what each view's step started from
             for p, view in zip(all_params, views):
                 if p in state:
-                    self.state[view] = {k: v.to_local() if isinstance(v, DTensor) else v
-                                        for k, v in state[p].items()}
+                    given[id(view)] = {k: v.to_local() if isinstance(v, DTensor) else v
+                                       for k, v in state[p].items()}
+                    self.state[view] = dict(given[id(view)])
             try:
                 for group in self.param_groups:
                     group["params"] = [local[id(p)] for p in group["params"]]
@@ -91,8 +93,8 @@ class LocalShardStep:
                     if view not in local_state:
                         continue
                     if isinstance(p, DTensor):
-                        old = state.get(p, {})
-                        state[p] = {k: _as_dtensor(v, p, old.get(k))
+                        old, before = state.get(p, {}), given.get(id(view), {})
+                        state[p] = {k: _as_dtensor(v, p, view, old.get(k), before.get(k))
                                     for k, v in local_state[view].items()}
                     else:
                         state[p] = local_state[view]

@@ -49,12 +49,16 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return norm.full_tensor().float()
 
 
-def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float,
+                    local: bool = True) -> torch.Tensor:
     """Scale the gradients of ``params`` so that their global norm is at most ``max_norm``
     (no clipping when ``max_norm`` <= 0); returns the norm before clipping."""
     params = [p for p in params if p.grad is not None]
     norm = total_norm([p.grad for p in params])
     if max_norm > 0 and params:
+        if not local:  # through DTensor dispatch
+            torch.nn.utils.clip_grads_with_norm_(params, float(max_norm), norm)
+            return norm
         with local_views(params) as views:  # an elementwise scale: local_shards.py says why
             torch.nn.utils.clip_grads_with_norm_(views, float(max_norm), norm)
     return norm
@@ -67,23 +71,31 @@ class GlobalGradNorm:
     optimizer's ``clip_grad_norm(0, ...)`` for the (scaled) norm and do their own clipping and
     overflow check around it, so that logic stays fairseq's."""
 
+    #: scale gradients on the local shards (False: through DTensor dispatch, for comparisons)
+    local_shards = True
+
     def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
-        norm = clip_grad_norm_(self.params, max_norm)
+        norm = clip_grad_norm_(self.params, max_norm, self.local_shards)
         # already global: fairseq's aggregate for its own FSDP (an all-reduce of the squared
         # norm) would sum it over the ranks once more, so it is not applied
         return norm
 
     def multiply_grads(self, c):
-        multiply_grads(self.params, c)
+        if self.local_shards:
+            multiply_grads(self.params, c)
+        else:
+            super().multiply_grads(c)
 
 
 _classes: dict[type, type] = {}
 
 
-def use_global_grad_norm(optimizer) -> None:
+def use_global_grad_norm(optimizer, local_shards: bool = True) -> None:
     """Make ``optimizer`` (a FairseqOptimizer) compute the global norm over DTensor gradients:
     its class becomes a subclass with :class:`GlobalGradNorm` first (as ``fully_shard`` changes
     a module's class)."""
+    if not local_shards:
+        optimizer.local_shards = False
     cls = type(optimizer)
     if issubclass(cls, GlobalGradNorm):
         return

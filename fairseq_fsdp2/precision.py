@@ -51,7 +51,7 @@ def cast_float_buffers(model: nn.Module, dtype: Optional[torch.dtype]) -> None:
                 module._buffers[name] = buf.to(dtype)
 
 
-def build_optimizer(cfg, params):
+def build_optimizer(cfg, params, local_shards: bool = True):
     """fairseq's optimizer over the sharded fp32 parameters; fp16 adds the loss scaler.
 
     Two GPU-only choices of fairseq are undone for DTensor parameters: with apex installed,
@@ -59,15 +59,17 @@ def build_optimizer(cfg, params):
     DTensors, not offloaded CPU shards): ``use_old_adam`` keeps fairseq's own Adam, as on
     machines without apex. And the gradient norm is the global one over DTensor gradients
     (grad_norm.py), whatever fairseq's helper would compute; elementwise work (Adam's step,
-    scaling the gradients) runs on the local shards (local_shards.py)."""
+    scaling the gradients) runs on the local shards (local_shards.py; ``local_shards=False``
+    leaves it to DTensor dispatch, the reference the tests and the benchmark compare with)."""
     optimizer_cfg = cfg.optimizer
     if "use_old_adam" in optimizer_cfg:
         optimizer_cfg = copy.deepcopy(optimizer_cfg)  # the run's saved cfg stays the user's
         with open_dict(optimizer_cfg):
             optimizer_cfg.use_old_adam = True
     inner = optim.build_optimizer(optimizer_cfg, params)
-    use_global_grad_norm(inner)
-    use_local_shards(inner.optimizer)  # elementwise optimizers step on the local shards
+    use_global_grad_norm(inner, local_shards)
+    if local_shards:
+        use_local_shards(inner.optimizer)  # elementwise optimizers step on the local shards
     if cfg.common.fp16:
         # allow_unsupported: the parameters are fp32 master weights, so any fairseq optimizer
         # is valid under the scaler (the same choice fairseq makes for legacy FSDP + --fp16).

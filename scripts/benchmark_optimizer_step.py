@@ -15,20 +15,18 @@ import os
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from fairseq.optim.adam import FairseqAdamConfig
-from fairseq.optim.fairseq_optimizer import FairseqOptimizer
 from omegaconf import OmegaConf
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fairseq_fsdp2 import grad_norm, precision  # noqa: E402
+from fairseq_fsdp2 import precision  # noqa: E402
 
 
 def model(tensors: int, elements: int) -> nn.Module:
@@ -42,17 +40,8 @@ def model(tensors: int, elements: int) -> nn.Module:
 def optimizer(params, dtensor_path: bool):
     adam = OmegaConf.structured(FairseqAdamConfig(_name="adam", lr=[1e-3], tpu=False))
     cfg = OmegaConf.create({"common": {"fp16": False}, "optimizer": adam})
-    opt = precision.build_optimizer(cfg, params)
-    if dtensor_path:  # what the plugin did before local_shards.py
-        opt.optimizer.__class__ = type(opt.optimizer).__mro__[2]
-        opt.multiply_grads = types.MethodType(FairseqOptimizer.multiply_grads, opt)
-
-        def clip(max_norm, aggregate_norm_fn=None):
-            norm = grad_norm.total_norm([p.grad for p in params])
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-            return norm
-        opt.clip_grad_norm = clip
-    return opt
+    # dtensor_path: what the plugin did before local_shards.py
+    return precision.build_optimizer(cfg, params, local_shards=not dtensor_path)
 
 
 def main() -> None:

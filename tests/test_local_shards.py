@@ -23,6 +23,7 @@ def report():
 def test_local_shard_step_is_bit_identical_to_dtensor_dispatch(report, case):
     r = report[case]
     assert r["local_path"] and r["class_name"] == "Adam"  # the path under test was taken
+    assert not r["reference_local_path"]  # and the reference is DTensor dispatch throughout
     assert r["params_moved"] > 1e-3  # 4 Adam steps at lr 1e-2 moved every tensor
     # the same aten operations on the same local tensors: equal bit for bit, no tolerance
     assert r["param_max_diff"] == 0.0

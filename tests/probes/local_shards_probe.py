@@ -3,20 +3,17 @@
 
 Two copies of a small model (rows that do not divide evenly over 2 ranks, a bias, a weight
 decay that touches every element) are sharded with FSDP2 and trained 4 steps on the same
-batches. The reference is the plugin's optimizer with that work given back to DTensor dispatch
-(fairseq's ``multiply_grads``, torch's clipping and fairseq's Adam on the DTensors); the other
-is the plugin's optimizer as built, which does it on the local shards; both under fairseq's fp16
-wrapper too (loss scaling, deferred unscaling). Every parameter and every state tensor must be bit-identical.
+batches. The reference is the plugin's optimizer built with ``local_shards=False`` (fairseq's
+``multiply_grads``, torch's clipping and fairseq's Adam on the DTensors, through DTensor
+dispatch); the other is the plugin's optimizer as training builds it, which does that work on
+the local shards; both also under fairseq's fp16 wrapper (loss scaling, deferred unscaling).
+Every parameter and every state tensor must be bit-identical.
 """
-import types
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from fairseq import optim
 from fairseq.optim.adafactor import Adafactor
 from fairseq.optim.adam import FairseqAdamConfig
-from fairseq.optim.fairseq_optimizer import FairseqOptimizer
 from omegaconf import OmegaConf
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -24,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from probe_report import report_and_exit
 
-from fairseq_fsdp2 import grad_norm, precision
+from fairseq_fsdp2 import precision
 from fairseq_fsdp2.local_shards import LocalShardStep, use_local_shards
 
 MAX_NORM = 0.5
@@ -55,23 +52,6 @@ def backward(m: nn.Module, step: int, scale: float) -> None:
     (m(torch.randn(7, 6) * 3).square().sum() * scale).backward()
 
 
-def dtensor_path(optimizer):
-    """The same optimizer with the elementwise work left to DTensor dispatch: fairseq's
-    ``multiply_grads`` and torch's clipping on the DTensors, the optimizer's own ``step``."""
-    inner = optimizer.wrapped_optimizer if hasattr(optimizer, "wrapped_optimizer") else optimizer
-    inner.optimizer.__class__ = type(inner.optimizer).__mro__[2]  # (ours, LocalShardStep, cls)
-    inner.multiply_grads = types.MethodType(FairseqOptimizer.multiply_grads, inner)
-
-    def clip_grad_norm(max_norm, aggregate_norm_fn=None):
-        params = [p for p in inner.params if p.grad is not None]
-        norm = grad_norm.total_norm([p.grad for p in params])
-        if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        return norm
-    inner.clip_grad_norm = clip_grad_norm
-    return optimizer
-
-
 def torch_optimizer(optimizer):
     inner = optimizer.wrapped_optimizer if hasattr(optimizer, "wrapped_optimizer") else optimizer
     return inner.optimizer
@@ -81,7 +61,7 @@ def run(fp16: bool) -> dict:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     reference, ours = model(mesh), model(mesh)
     ref_params, our_params = list(reference.parameters()), list(ours.parameters())
-    ref_opt = dtensor_path(precision.build_optimizer(cfg(fp16), ref_params))
+    ref_opt = precision.build_optimizer(cfg(fp16), ref_params, local_shards=False)
     our_opt = precision.build_optimizer(cfg(fp16), our_params)
     for step in range(STEPS):
         for m, opt in ((reference, ref_opt), (ours, our_opt)):
@@ -95,6 +75,8 @@ def run(fp16: bool) -> dict:
     our_state = [torch_opt.state[p] for p in our_params]
     return {
         "local_path": isinstance(torch_opt, LocalShardStep),
+        "reference_local_path": isinstance(torch_optimizer(ref_opt), LocalShardStep)
+        or getattr(ref_opt, "wrapped_optimizer", ref_opt).local_shards,
         "class_name": type(torch_opt).__name__,
         "param_max_diff": max((a.full_tensor() - b.full_tensor()).abs().max().item()
                               for a, b in zip(ref_params, our_params)),

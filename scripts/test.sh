@@ -6,4 +6,10 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup.sh"
 cd "$root"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-65536}"
-exec "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
+# Two pytest workers (pytest-xdist), one per core: alone, the suite leaves a core idle a third
+# of the time (ranks waiting on each other, heartbeat timeouts, one-process steps). Each worker
+# takes whole files (--dist loadfile), so a file's shared runs are made once, longest files
+# first (tests/conftest.py; --no-loadscope-reorder keeps that order). `-n 0` (given after, it
+# wins) runs everything in this process.
+exec "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile \
+  --no-loadscope-reorder "$@"

@@ -7,9 +7,14 @@ finalizers) or its own ``os._exit``. What is shared is only the ~5 s of importin
 fairseq, which otherwise dominates each 2-rank run of the suite on 2 cores.
 
 Protocol (one JSON object per line): stdin gets ``{"id", "module", "args", "env", "cwd",
-"out"}`` and optionally ``"stdin"`` (a file the child reads as its stdin); stdout answers ``{"id", "pid"}`` when forked and ``{"id", "returncode"}`` (negative: the
-signal) when the process ends. Single-threaded on purpose: forking a multi-threaded process can
-leave locks held in the child.
+"out"}`` and optionally ``"stdin"`` (a file the child reads as its stdin); stdout answers
+``{"id", "pid"}`` when forked and ``{"id", "returncode"}`` (negative: the signal) when the process
+ends. Given a path, the server also listens on a UNIX socket there (SOCK_SEQPACKET: one message
+per request) for processes that are not the test's own, torchrun's workers (fork_client.py):
+a request ``{"module", "args", "env", "cwd"}`` comes with the client's stdin, stdout and stderr
+(SCM_RIGHTS), which become the child's; the answers ``{"pid"}`` and ``{"returncode"}`` go back
+on the connection. Single-threaded on purpose: forking a multi-threaded process can leave locks
+held in the child.
 """
 import os
 import sys
@@ -21,6 +26,8 @@ import json  # noqa: E402
 import logging  # noqa: E402
 import runpy  # noqa: E402
 import select  # noqa: E402
+import socket  # noqa: E402
+from typing import Optional, Sequence  # noqa: E402
 
 # The heavy imports every run repeats. Not the plugin: importing it installs its changes into
 # fairseq, which must happen in each child, as `--user-dir` does on the command line.
@@ -39,21 +46,51 @@ import fairseq.quantization_utils  # noqa: E402,F401
 import hydra._internal.core_plugins.basic_launcher  # noqa: E402,F401
 import hydra._internal.core_plugins.structured_config_source  # noqa: E402,F401
 import hydra._internal.core_plugins.importlib_resources_config_source  # noqa: E402,F401
+import warnings  # noqa: E402
+
+from fairseq import options  # noqa: E402
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf  # noqa: E402
+
+# Every fairseq command converts its argparse namespace to a hydra config; the first
+# conversion in a process also builds hydra's and ANTLR's caches (the override grammar's DFA,
+# fairseq's parser defaults): measured 0.35 s of the ~1.0 s a forked 2-update run takes. One
+# conversion of a stock command line here leaves those caches warm for every child. It does not
+# load the plugin or change fairseq's registries; hydra's global state is cleared on exit of its
+# context, and the warnings it raises are ignored without being recorded (children still see
+# them).
 # Not fairseq_cli.train: its import configures logging (basicConfig on the child's stdout), so
 # it must happen in the child. An import above logged through the root logger, which installed
 # a default handler; basicConfig does nothing while one exists.
 logging.root.handlers.clear()
+# fairseq's parser reads --user-dir from sys.argv: keep the server's own argv out of it.
+_argv, sys.argv = sys.argv, sys.argv[:1]
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    logging.disable(logging.CRITICAL)  # hydra's debug lines would go to the test's stderr
+    convert_namespace_to_omegaconf(options.parse_args_and_arch(
+        options.get_training_parser(), ["unused", "--task", "translation", "--arch", "transformer"]))
+    logging.disable(logging.NOTSET)
+sys.argv = _argv
 
 
-def run_child(request: dict) -> None:
-    """In the forked child: become ``python -m module args``; never returns."""
-    out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(out, 1)
-    os.dup2(out, 2)
-    os.close(out)
-    stdin = os.open(request.get("stdin") or os.devnull, os.O_RDONLY)
-    os.dup2(stdin, 0)
-    os.close(stdin)
+def run_child(request: dict, fds: Optional[list[int]] = None) -> None:
+    """In the forked child: become ``python -m module args``; never returns. Its stdin, stdout
+    and stderr are ``fds`` (a socket client's own, passed over the socket), or the files the
+    request names."""
+    if fds:
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+    else:
+        out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+        stdin = os.open(request.get("stdin") or os.devnull, os.O_RDONLY)
+        os.dup2(stdin, 0)
+        os.close(stdin)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -65,18 +102,35 @@ def run_child(request: dict) -> None:
     sys.exit(0)  # as `python -m` does when the module returns; an exception exits 1
 
 
-def serve() -> None:
+def fork(request: dict, fds: Optional[list[int]] = None, close: Sequence = ()) -> int:
+    """Fork a child for ``request``; in the child, ``close`` (the server's sockets) first. The
+    child's run ends the way ``python -m`` ends (SystemExit or an exception leaving serve)."""
+    pid = os.fork()
+    if pid == 0:
+        for sock in close:
+            sock.close()
+        run_child(request, fds)
+    return pid
+
+
+def serve(socket_path: Optional[str]) -> None:
     # Everything imported so far is long-lived: move it out of the collector's sight, as gc's
     # documentation advises before forking. Each child's collections (during its run, and the
     # several full ones of interpreter exit, seconds each over torch and fairseq) then traverse
     # only what the child itself allocated; objects are still freed by reference counting.
     gc.freeze()
     stdin = sys.stdin.fileno()
+    listener = None
+    if socket_path:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(socket_path)
+        listener.listen(64)
     pending = b""
-    children: dict[int, str] = {}
+    children: dict[int, str] = {}  # pid -> request id (stdin requests)
+    clients: dict[int, socket.socket] = {}  # pid -> the connection that asked for it
     while True:
-        ready, _, _ = select.select([stdin], [], [], 0.05)
-        if ready:
+        ready, _, _ = select.select([stdin] + ([listener] if listener else []), [], [], 0.05)
+        if stdin in ready:
             chunk = os.read(stdin, 65536)
             if not chunk:
                 break  # the test session ended
@@ -84,18 +138,32 @@ def serve() -> None:
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
                 request = json.loads(line)
-                pid = os.fork()
-                if pid == 0:
-                    run_child(request)
+                pid = fork(request, close=[listener, *clients.values()] if listener else ())
                 children[pid] = request["id"]
                 print(json.dumps({"id": request["id"], "pid": pid}), flush=True)
-        while children:
+        if listener in ready:
+            conn, _ = listener.accept()
+            message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+            pid = fork(json.loads(message), fds, close=[listener, conn, *clients.values()])
+            for fd in fds:
+                os.close(fd)
+            conn.send(json.dumps({"pid": pid}).encode())
+            clients[pid] = conn
+        while children or clients:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
-            print(json.dumps({"id": children.pop(pid),
-                              "returncode": os.waitstatus_to_exitcode(status)}), flush=True)
+            code = os.waitstatus_to_exitcode(status)
+            if pid in clients:
+                conn = clients.pop(pid)
+                try:
+                    conn.send(json.dumps({"returncode": code}).encode())
+                except OSError:
+                    pass  # the client is gone (killed): nobody waits for this answer
+                conn.close()
+            else:
+                print(json.dumps({"id": children.pop(pid), "returncode": code}), flush=True)
 
 
 if __name__ == "__main__":
-    serve()
+    serve(sys.argv[1] if len(sys.argv) > 1 else None)

@@ -27,10 +27,28 @@ class RankResult:
     output: str
 
 
+#: Ports handed to rendezvous stores (MASTER_PORT, --distributed-port, torchrun endpoints).
+#: Each pytest-xdist worker takes its own block below the kernel's ephemeral range (32768 on):
+#: a port the kernel picked with bind(0) and that was closed again could be picked again for a
+#: test running at the same time in the other worker, before the first test's rank 0 binds it.
+#: Blocks apart, and ports taken in turn within a block, no two runs get the same port.
+PORT_BLOCK = 2000
+PORT_BASE = 20000
+_ports = itertools.count()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    base = PORT_BASE + PORT_BLOCK * int(worker.removeprefix("gw") or 0)
+    for _ in range(PORT_BLOCK):
+        port = base + next(_ports) % PORT_BLOCK
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use (or in TIME_WAIT): take the next
+            return port
+    raise RuntimeError(f"no free port in {base}..{base + PORT_BLOCK - 1}")
 
 
 def base_env(extra: Optional[dict] = None) -> dict:
@@ -46,8 +64,11 @@ class ForkServer:
     fairseq each time (see there). One per test session, started on first use."""
 
     def __init__(self):
+        #: where the server also takes requests from processes other than this one
+        #: (fork_client.py: torchrun's workers)
+        self.socket_path = os.path.join(tempfile.mkdtemp(prefix="forkserver-"), "socket")
         self._proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("forkserver.py"))],
+            [sys.executable, str(Path(__file__).with_name("forkserver.py")), self.socket_path],
             env=base_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             cwd=str(Path(__file__).parent))
         self._lock = threading.Lock()
@@ -137,6 +158,23 @@ class Spawned(subprocess.Popen):
 
 
 _server: Optional[ForkServer] = None
+
+#: torchrun's entry point for a worker forked from the server: ``[*FORKED_WORKER, MODULE, ARGS]``
+#: in place of ``[SCRIPT, ARGS]``, with ``forked_worker_env()`` in the agent's environment.
+FORKED_WORKER = [str(Path(__file__).with_name("fork_client.py"))]
+
+
+def forked_worker_env() -> dict:
+    from fork_client import SOCKET_ENV
+    return {SOCKET_ENV: fork_server().socket_path}
+
+
+def start_torchrun(args: Sequence, out: str, env: Optional[dict] = None) -> "Forked":
+    """torchrun's agent (``python -m torch.distributed.run ARGS``), forked from the server; all
+    its output and its workers' goes to ``out``. Give it ``[*FORKED_WORKER, MODULE, ...]`` as
+    the entry point to have its workers forked from the server too."""
+    return fork_server().start("torch.distributed.run", [str(a) for a in args],
+                               base_env({**forked_worker_env(), **(env or {})}), out)
 
 
 def fork_server() -> ForkServer:

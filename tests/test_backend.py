@@ -1,15 +1,14 @@
 """Real multi-process fairseq-train runs with the FSDP2 backend (gloo, CPU)."""
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import PLUGIN, REPO, stock_ddp, train_args_for
-from launcher import base_env, free_port, ok, run_ranks, train_inner
+from launcher import (FORKED_WORKER, base_env, free_port, ok, run_ranks, start_torchrun,
+                      train_inner)
 from numerics import FP32_REORDERED, U16, U_BF16, assert_runs_close, per_update
 
 FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1"]
@@ -55,14 +54,16 @@ def test_update_freq_without_sync_equals_stock(runs):
 
 
 def test_torchrun_without_distributed_flags(train_args, tmp_path):
-    """The README's launch: torchrun + fairseq-train, plan and per-rank memory logged."""
-    torchrun = Path(sys.executable).parent / "torchrun"
-    fairseq_train = Path(sys.executable).parent / "fairseq-train"
-    cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(fairseq_train), *train_args(*FSDP2, "--log-interval", "2", save=True, updates=6)]
-    proc = subprocess.run(cmd, env=base_env(), capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = proc.stdout
+    """The README's launch: torchrun + fairseq-train, plan and per-rank memory logged. (torchrun's
+    agent and its workers forked from the test server: tests/launcher.py; the command itself,
+    fresh interpreters and all, runs in tests/test_nllb_finetune.py.)"""
+    agent = start_torchrun(["--nproc_per_node", "2", "--master_port", free_port(),
+                            *FORKED_WORKER, "fairseq_cli.train",
+                            *train_args(*FSDP2, "--log-interval", "2", save=True, updates=6)],
+                           str(tmp_path / "torchrun.log"))
+    agent.wait(240)
+    out = agent.output()
+    assert agent.returncode == 0, out[-6000:]
     assert "FSDP2 sharding plan: 6 units over 2 rank(s)" in out
     records = train_inner(out)
     assert [r["num_updates"] for r in records] == ["2", "4", "6"]

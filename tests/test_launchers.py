@@ -1,8 +1,10 @@
 """Launchers as users run them, with the real fairseq-train CLI and the plugin:
 
 - torchrun's agent (real ``torch.distributed.run``, 2 workers on CPU, forked from the test's
-  pre-imported server; its workers are fresh interpreters as with the ``torchrun`` command): a
-  worker is SIGKILLed mid-run (tests/probes/fault_point.py). With the default settings the job
+  pre-imported server; it starts its workers as usual, each a small process (fork_client.py)
+  whose environment, output and signals the server's forked child takes on, so the agent sees
+  and signals its workers as with the ``torchrun`` command; tests/test_nllb_finetune.py runs
+  the command itself, with fresh interpreters): a worker is SIGKILLed mid-run (tests/probes/fault_point.py). With the default settings the job
   stops: the agent's report names the lost rank, the survivor prints one line saying how to
   resume. With ``--max-restarts 1`` the agent restarts the workers, which resume from the
   newest complete checkpoint.
@@ -20,17 +22,17 @@ test's own launcher (tests/launcher.py), also when a run resumes what another la
 """
 import os
 import re
-import sys
 from datetime import datetime
 
 import pytest
 
 from conftest import PLUGIN, REPO, TINY_MODEL, TRAINING
-from launcher import base_env, finish_ranks, fork_server, free_port, ok, start_ranks, train_inner
+from launcher import (FORKED_WORKER, finish_ranks, free_port, ok, start_ranks, start_torchrun,
+                      train_inner)
 
 PROBES = str(REPO / "tests" / "probes")
-FAULT_POINT = str(REPO / "tests" / "probes" / "fault_point.py")
-FAIRSEQ_TRAIN = os.path.join(os.path.dirname(sys.executable), "fairseq-train")
+FAULT_POINT = [*FORKED_WORKER, "fault_point"]  # torchrun's entry: tests/probes/fault_point.py
+FAIRSEQ_TRAIN = [*FORKED_WORKER, "fairseq_cli.train"]  # the same as fairseq-train
 UPDATES = 8
 FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", "--save-interval-updates", "2",
          "--heartbeat-timeout", "60", "--num-workers", "0", "--no-epoch-checkpoints"]
@@ -77,8 +79,7 @@ def reference(corpus, tmp_path_factory) -> dict:
 
 def torchrun(args: list, out: str, env: dict = None):
     """Start torchrun's agent; all its output (and its workers') goes to ``out``."""
-    return fork_server().start("torch.distributed.run", [str(a) for a in args],
-                               base_env({**ENV, **(env or {})}), out)
+    return start_torchrun(args, out, {**ENV, **(env or {})})
 
 
 def survivor_line(save_dir, update: int, restarts_left: bool) -> str:
@@ -122,7 +123,7 @@ def test_torchrun_default_a_lost_worker_stops_the_job_with_one_line(corpus, refe
                                                                     tmp_path):
     """torchrun with its default settings; worker 1 is SIGKILLed in update 3."""
     save_dir = tmp_path / "ckpt"
-    agent = torchrun(["--nproc_per_node", 2, "--master_port", free_port(), FAULT_POINT,
+    agent = torchrun(["--nproc_per_node", 2, "--master_port", free_port(), *FAULT_POINT,
                       *fairseq_args(corpus, save_dir, 3)], str(tmp_path / "log"),
                      {"FAULT": "forward:3:1"})
     agent.wait(TIMEOUT_S)
@@ -146,7 +147,7 @@ def test_torchrun_max_restarts_resumes_by_itself(corpus, reference, tmp_path):
     says why every rendezvous works."""
     save_dir = tmp_path / "ckpt"
     agent = torchrun(["--nproc_per_node", 2, "--master_port", free_port(), "--max-restarts", 1,
-                      FAULT_POINT, *fairseq_args(corpus, save_dir, UPDATES)],
+                      *FAULT_POINT, *fairseq_args(corpus, save_dir, UPDATES)],
                      str(tmp_path / "log"), {"FAULT": "forward:6:1"})
     agent.wait(TIMEOUT_S)
     out = agent.output()
@@ -221,7 +222,7 @@ def test_slurm_both_modes_and_two_nodes_continue_one_training(corpus, reference,
 
     endpoint = f"localhost:{free_port()}"
     agents = [torchrun(["--nnodes", 2, "--node-rank", k, "--nproc-per-node", 1,
-                        "--rdzv-endpoint", endpoint, FAIRSEQ_TRAIN,
+                        "--rdzv-endpoint", endpoint, *FAIRSEQ_TRAIN,
                         *fairseq_args(corpus, save_dir, 4)], str(tmp_path / f"node{k}.log"))
               for k in (0, 1)]
     for agent in agents:

@@ -56,7 +56,7 @@ Each option can also be set by the environment variable in brackets; an option w
   --loss-chunk-tokens N   [LOSS_CHUNK_TOKENS] the loss's output projection, log-softmax and
                           gradients run over chunks of N target tokens in one pass
                           (label_smoothed_cross_entropy_chunked): the tokens x 256k logits never
-                          exist at once (default: 1024); 0: fairseq's
+                          exist at once (default: 256); 0: fairseq's
                           label_smoothed_cross_entropy
   --speed                 [SPEED=1] prefer words/s to memory: --root-reshard default unless
                           given. The chunked loss and the tied-embedding gradient buffer stay
@@ -77,6 +77,9 @@ Each option can also be set by the environment variable in brackets; an option w
                           validation and checkpoint, longer than a tiny model's epoch)
   --log-interval N        [LOG_INTERVAL] updates between log lines (default: 100)
   --seed N                [SEED] (default: 2)
+  --dry-run               [DRY_RUN=1] print the torchrun command (shell-quoted, one line on
+                          stdout) and stop: nothing is installed or launched. Its fairseq-train
+                          flags are the ones to run under your own torchrun or srun
   -h, --help              this help
   -- ARGS                 everything after -- goes to fairseq-train unchanged, after the
                           flags above (a repeated flag wins), e.g. -- --save-interval-updates
@@ -96,7 +99,7 @@ MAX_UPDATE="${MAX_UPDATE:-10000}"; MAX_TOKENS="${MAX_TOKENS:-4096}"; UPDATE_FREQ
 LR="${LR:-5e-5}"; WARMUP_UPDATES="${WARMUP_UPDATES:-}"; ROOT_RESHARD="${ROOT_RESHARD:-}"
 MIN_PARAMS_TO_WRAP="${MIN_PARAMS_TO_WRAP:-1}"; PRECISION="${PRECISION:-}"; CPU="${CPU:-}"
 NUM_WORKERS="${NUM_WORKERS:-}"; LOG_INTERVAL="${LOG_INTERVAL:-100}"; SEED="${SEED:-2}"
-LOSS_CHUNK_TOKENS="${LOSS_CHUNK_TOKENS:-1024}"; SPEED="${SPEED:-}"
+LOSS_CHUNK_TOKENS="${LOSS_CHUNK_TOKENS:-256}"; SPEED="${SPEED:-}"; DRY_RUN="${DRY_RUN:-}"
 extra=()
 while [[ $# -gt 0 ]]; do
   arg="$1"
@@ -105,6 +108,7 @@ while [[ $# -gt 0 ]]; do
     -h|--help) usage; exit 0 ;;
     --cpu) CPU=1; shift; continue ;;
     --speed) SPEED=1; shift; continue ;;
+    --dry-run) DRY_RUN=1; shift; continue ;;
     --) shift; extra=("$@"); break ;;
     --data|--model-size|--pretrained|--lang-pairs|--langs|--nproc|--save-dir|--max-update|\
     --max-tokens|--update-freq|--lr|--warmup-updates|--root-reshard|--min-params-to-wrap|\
@@ -143,6 +147,7 @@ done
 [[ -z "$NPROC" || "$NPROC" -ge 1 ]] || die "NPROC must be >= 1"
 [[ "$LR" =~ ^[0-9.]+([eE][-+]?[0-9]+)?$ ]] || die "LR must be a number, got '$LR'"
 [[ -z "$SPEED" || "$SPEED" == 0 || "$SPEED" == 1 ]] || die "SPEED must be 0 or 1, got '$SPEED'"
+[[ -z "$DRY_RUN" || "$DRY_RUN" == 0 || "$DRY_RUN" == 1 ]] || die "DRY_RUN must be 0 or 1, got '$DRY_RUN'"
 if [[ -z "$ROOT_RESHARD" ]]; then
   ROOT_RESHARD="$([[ "$SPEED" == 1 ]] && echo default || echo always)"
 fi
@@ -214,9 +219,6 @@ pretrained_flags=()
 [[ -z "$PRETRAINED" ]] || pretrained_flags=(--finetune-from-model "$PRETRAINED")
 
 # --- launch ----------------------------------------------------------------------------------
-bash "$root/scripts/setup.sh"
-# glibc keeps freed memory without this, and RSS-based peak memory (CPU) creeps up step by step
-export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-65536}"
 train_flags=("$DATA"
   --user-dir "$root/fairseq_fsdp2" --ddp-backend fsdp2
   --arch "$arch" "${pretrained_flags[@]}"
@@ -233,6 +235,13 @@ train_flags=("$DATA"
   "${extra[@]}")
 cmd=("$root/.venv/bin/torchrun" --standalone --nproc_per_node "$NPROC"
   "$root/.venv/bin/fairseq-train" "${train_flags[@]}")
+if [[ "$DRY_RUN" == 1 ]]; then
+  printf '%q ' "${cmd[@]}" | sed 's/ $//'; echo
+  exit 0
+fi
+bash "$root/scripts/setup.sh"
+# glibc keeps freed memory without this, and RSS-based peak memory (CPU) creeps up step by step
+export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-65536}"
 echo "[$prog] $arch on $NPROC rank(s) ($([[ "$CPU" == 1 ]] && echo CPU || echo GPU), $PRECISION), $LANG_PAIRS -> $SAVE_DIR" >&2
 echo "[$prog] $(printf '%q ' "${cmd[@]}")" >&2
 # the estimator reads the same flags (fairseq's parser); a failure does not stop training

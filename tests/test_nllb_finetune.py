@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 
 import pytest
 
 from conftest import REPO
-from launcher import base_env, run_command, run_ranks
+from launcher import base_env, ok, run_command, run_ranks
 
 from fairseq_fsdp2.data import numbers
 from fairseq_fsdp2.data.prepare import prepare
@@ -73,7 +74,8 @@ def test_help_lists_every_argument():
     for option in sorted(handled):
         assert re.search(rf"^\s+{option}\b", proc.stdout, re.M), f"{option} missing from --help"
     for env in ("DATA", "MODEL_SIZE", "PRETRAINED", "LANG_PAIRS", "LANGS", "NPROC", "SAVE_DIR",
-                "MAX_UPDATE", "ROOT_RESHARD", "MIN_PARAMS_TO_WRAP", "PRECISION", "CPU"):
+                "MAX_UPDATE", "ROOT_RESHARD", "MIN_PARAMS_TO_WRAP", "PRECISION", "CPU",
+                "DRY_RUN"):
         assert f"[{env}" in proc.stdout, f"environment variable {env} missing from --help"
     for word in ("600m", "1.3b", "3.3b", "tiny", "1e8", "--finetune-from-model", "-- ARGS"):
         assert word in proc.stdout
@@ -97,6 +99,7 @@ def test_bad_input_one_line_and_nothing_launched(data, tmp_path):
         (["--data", data, "--nproc", "two"], "NPROC must be"),
         (["--data", data, "--loss-chunk-tokens", "-1"], "LOSS_CHUNK_TOKENS must be"),
         (["--data", data, "--bogus"], "unknown argument '--bogus'"),
+        (["--data", data, "--pretrained", tmp_path / "none.pt", "--dry-run"], "does not exist"),
     ]
     for args, message in cases:
         proc = run_script(*args, timeout=30)
@@ -122,7 +125,7 @@ def test_two_rank_cpu_finetune_and_stock_generate(data, tmp_path):
     assert set(rows) >= {"encoder.layers.0", "decoder.layers.1", "shared", "root"}
     # the recipe's memory defaults: root resharded, the chunked loss, the tied-gradient buffer
     assert rows["root"].startswith("True") and rows["shared"].startswith("True"), rows
-    assert "--criterion label_smoothed_cross_entropy_chunked --loss-chunk-tokens 1024" in output
+    assert "--criterion label_smoothed_cross_entropy_chunked --loss-chunk-tokens 256" in output
     assert "--fsdp2-no-tied-grad-buffer" not in output
     # the estimator's prediction for this command, printed before the launch
     # (the script writes it to stderr before it execs torchrun)
@@ -130,7 +133,7 @@ def test_two_rank_cpu_finetune_and_stock_generate(data, tmp_path):
     plan = proc.stderr.find("FSDP2 sharding plan")
     assert plan == -1 or prediction < plan
     table = proc.stderr[prediction:prediction + 3000]
-    assert "peak per rank (GiB)" in table and "chunked loss (1024 tokens)" in table, table
+    assert "peak per rank (GiB)" in table and "chunked loss (256 tokens)" in table, table
     records = json_records(output, "train_inner")
     losses = [float(r["loss"]) for r in records]
     assert len(losses) >= 5 and losses[-1] < losses[0] - 1.0, losses
@@ -153,14 +156,26 @@ def test_two_rank_cpu_finetune_and_stock_generate(data, tmp_path):
     assert "fairseq_fsdp2" not in gen.output
     assert len(re.findall(r"^H-\d+\t", gen.output, re.M)) == N_TEST
 
-    # and fine-tuning from it (--pretrained: --finetune-from-model) starts where it ended
+    # and fine-tuning from it (--pretrained: --finetune-from-model) starts where it ended.
+    # The script's command (--dry-run prints it; the run above showed the script launching
+    # its command), run on 2 ranks forked from the test server: the torchrun launch itself
+    # needs no second proof, and each fresh interpreter costs seconds
     proc = run_script("--data", data, "--model-size", "tiny", "--cpu", "--nproc", 2,
                       "--save-dir", tmp_path / "finetuned", "--pretrained", consolidated,
                       "--max-update", 2, "--max-tokens", 2000, "--lr", "1e-4", "--speed",
-                      "--log-interval", 1, "--", "--log-format", "json", "--no-save")
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-4000:]
-    assert plan_rows(output)["root"].startswith("False")  # --speed: --root-reshard default
+                      "--log-interval", 1, "--dry-run", "--", "--log-format", "json",
+                      "--no-save")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    cmd = shlex.split(proc.stdout)
+    assert len(proc.stdout.splitlines()) == 1 and cmd[:4] == [
+        str(REPO / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc_per_node", "2"], cmd
+    assert cmd[4] == str(REPO / ".venv" / "bin" / "fairseq-train"), cmd
+    flags = cmd[5:]
+    assert flags[flags.index("--finetune-from-model") + 1] == str(consolidated), flags
+    assert flags[flags.index("--fsdp2-root-reshard") + 1] == "default", flags  # --speed
+    assert not (tmp_path / "finetuned").exists()  # nothing launched
+    output = ok(run_ranks(2, lambda rank: flags))
+    assert plan_rows(output)["root"].startswith("False")
     assert "loaded pretrained weights" in output
     first = float(json_records(output, "train_inner")[0]["loss"])
     assert first < losses[0] - 1.0, (first, losses)
@@ -210,7 +225,10 @@ def test_hydra_configs_match_the_command_line(data):
         GlobalHydra.instance().clear()
         hydra_init(name)
         try:
-            with initialize_config_dir(version_base=None, config_dir=str(CONFIGS)):
+            # fairseq's hydra main composes at Hydra's 1.1 compatibility level; the level is
+            # process-wide, and a newer one would break fairseq's own hydra calls in this
+            # process afterwards (hydra.experimental.initialize raises from 1.2 on)
+            with initialize_config_dir(version_base="1.1", config_dir=str(CONFIGS)):
                 cfg = compose(name, overrides=overrides)
         finally:
             GlobalHydra.instance().clear()
@@ -229,7 +247,7 @@ def test_hydra_configs_match_the_command_line(data):
         assert (dt.ddp_backend, dt.fsdp2_root_reshard) == ("fsdp2", "always"), name
         assert not dt.fsdp2_no_tied_grad_buffer, name
         assert cfg.criterion._name == "label_smoothed_cross_entropy_chunked", name
-        assert cfg.criterion.loss_chunk_tokens == 1024, name
+        assert cfg.criterion.loss_chunk_tokens == 256, name
         assert cfg.criterion.label_smoothing == 0.1 and cfg.lr_scheduler._name == "inverse_sqrt"
 
 # Unknown hydra keys: tests/test_bad_input.py (the README's error catalogue).

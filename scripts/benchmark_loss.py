@@ -119,7 +119,7 @@ def report(rows: list[dict], args, info: dict, load: str) -> str:
             lines.append(f"| {name} | {world} | {peak:.2f} | "
                          f"{f'{pred:.2f}' if pred else '-'} | {wps:.0f} | "
                          f"{bench.ratio(wps, stock_wps)} | "
-                         f"{done[0].get('embedding_all_gathers', '-')} |")
+                         f"{done[0].get('embedding_all_gathers') or '-'} |")
     return "\n".join(lines + ["", END])
 
 
@@ -165,7 +165,7 @@ def main() -> int:
     print(f"loss benchmark: {time.time() - started:.0f}s", flush=True)
     bench.__file__ = str(bench_path)
     load = (f"1-minute load average {min(loads):.1f} to {max(loads):.1f} on "
-            f"{os.cpu_count()} cores (other jobs shared the machine)")
+            f"{os.cpu_count()} cores at the rows' starts (the benchmark's own ranks included)")
     text = report(rows, args, bench.versions(), load)
     out = Path(args.out)
     old = out.read_text() if out.exists() else ""

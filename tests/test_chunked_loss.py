@@ -98,7 +98,7 @@ def test_registered_with_option():
     args = parse(16, "--criterion", "cross_entropy_chunked")
     criterion = build_criterion(convert_namespace_to_omegaconf(args).criterion, task)
     assert type(criterion) is CrossEntropyChunkedCriterion
-    assert criterion.loss_chunk_tokens == 1024
+    assert criterion.loss_chunk_tokens == 256
 
 
 CASES = {  # name: (stock criterion, chunked criterion for a chunk size)
@@ -207,6 +207,36 @@ def test_chunk_size_0_and_unreduced_run_the_parent_criterion(small, case):
     assert output_projection_inputs(chunked(task, 7), model, sample, reduce=False) == \
         [(batch, length, dim)]
     assert output_projection_inputs(chunked(task, 7), model, sample) == []
+
+
+def test_fused_loss_does_the_stock_projection_flops(small):
+    """No second projection: counted by torch's FLOP counter over forward + backward, the fused
+    loss does the stock criterion's three tokens x vocabulary x dim matmuls (the logits, the
+    features' gradient, the weight's gradient), over the non-padding tokens it projects, and
+    the rest of the model's matmuls are the same. (The earlier chunked loss recomputed the
+    logits in backward: a fourth, 2 x tokens x dim x vocabulary more.) Exact integers."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def addmm_inplace(self_shape, a_shape, b_shape, *args, **kwargs) -> int:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+    task, model, sample = small
+    stock, chunked = CASES["ls0.1"]
+    flops = []
+    for criterion in (stock(task), chunked(task, 7)):
+        model.zero_grad(set_to_none=True)
+        # torch's table counts addmm but not its in-place form, with which the fused pass adds
+        # every chunk after the first into the weight gradient: count it the same way
+        with FlopCounterMode(display=False,
+                             custom_mapping={torch.ops.aten.addmm_: addmm_inplace}) as counter:
+            criterion(model, sample)[0].backward()
+        flops.append(counter.get_total_flops())
+    vocab, dim = model.decoder.output_projection.weight.shape
+    batch, length = sample["target"].shape
+    projected = int(sample["target"].ne(task.target_dictionary.pad()).sum())
+    assert projected < batch * length  # the sample has padding, which stock projects too
+    rest = flops[0] - 3 * 2 * batch * length * dim * vocab
+    assert flops[1] - rest == 3 * 2 * projected * dim * vocab, (flops, rest)
 
 
 def test_dummy_batch_and_validation(small):

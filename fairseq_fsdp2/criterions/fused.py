@@ -154,7 +154,7 @@ class _FusedVocabularyLoss(torch.autograd.Function):
 
 
 def fused_vocabulary_loss(features: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                          *, eps: float = 0.0, chunk_tokens: int = 1024,
+                          *, eps: float = 0.0, chunk_tokens: int = 256,
                           accuracy: bool = False, grad_scale: Optional[float] = None,
                           hub=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, nll_loss, n_correct) summed over the N rows of ``features`` (N x dim), against

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Optional
 
 import torch
@@ -11,7 +12,10 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecision
                                     fully_shard)
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from . import gloo_comms
 from .plan import ShardingPlan
+
+logger = logging.getLogger(__name__)
 
 
 def build_mesh(device_type: str, world_size: int, replicate_degree: int = 1) -> DeviceMesh:
@@ -35,6 +39,10 @@ def apply_plan(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, *,
         targets = [modules[p] for p in unit.module_paths]
         fully_shard(targets if len(targets) > 1 else targets[0],
                     reshard_after_forward=unit.reshard_after_forward, **kwargs)
+    shard_group = mesh.get_group("shard")
+    if gloo_comms.install(model, shard_group):
+        logger.info("gloo: FSDP2 all-gathers by broadcast and reduce-scatters by all-reduce "
+                    "(gloo's own collectives hold a temporary as large as their output/input)")
     model.register_load_state_dict_pre_hook(_shard_full_tensors)
     return model
 

@@ -65,6 +65,7 @@ def test_torchrun_without_distributed_flags(train_args, tmp_path):
     out = agent.output()
     assert agent.returncode == 0, out[-6000:]
     assert "FSDP2 sharding plan: 6 units over 2 rank(s)" in out
+    assert "gloo: FSDP2 all-gathers by broadcast" in out  # gloo_comms.py, on every CPU run
     records = train_inner(out)
     assert [r["num_updates"] for r in records] == ["2", "4", "6"]
     for rec in records:

@@ -1,0 +1,131 @@
+"""One rank of the gloo collectives check (tests/test_gloo_comms.py). Prints one ``PROBE {json}``.
+
+1. The collectives alone, against gloo's own on the same inputs: outputs compared bit for bit,
+   and the resident memory each adds (VmHWM reset before, read after; outputs allocated and
+   written beforehand, so only temporaries count).
+2. Through FSDP2: two copies of one model, sharded alike (uneven rows, a unit per layer and a
+   root), trained 3 Adam steps on the same batches, one with FSDP2's collectives and one after
+   ``gloo_comms.install``; every parameter compared bit for bit; and how often FSDP2 called the
+   installed collectives (torch calls them through an interface this module only imitates).
+"""
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from probe_report import report_and_exit
+
+from fairseq_fsdp2 import gloo_comms
+
+MIB = 2 ** 20
+
+
+def hwm_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM")
+
+
+def extra_memory(run) -> int:
+    """Resident bytes ``run`` adds on this rank (writing 5 to clear_refs resets VmHWM)."""
+    dist.barrier()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = hwm_bytes()
+    run()
+    extra = hwm_bytes() - before
+    dist.barrier()
+    return extra
+
+
+def collectives(group, numel: int) -> dict:
+    size, rank = group.size(), group.rank()
+    g = torch.Generator().manual_seed(rank)
+    shard = torch.randn(numel, generator=g)
+    ours, theirs = torch.zeros(numel * size), torch.zeros(numel * size)
+    ours[rank * numel:(rank + 1) * numel].copy_(shard)
+    slot = ours[rank * numel:(rank + 1) * numel]
+    ag_ours = extra_memory(lambda: gloo_comms.BroadcastAllGather()(ours, slot, group))
+    ag_theirs = extra_memory(lambda: dist.all_gather_into_tensor(theirs, shard, group=group))
+    grads = torch.randn(numel * size, generator=g)
+    mine, out_ours, out_theirs = grads.clone(), torch.zeros(numel), torch.zeros(numel)
+    rs_ours = extra_memory(lambda: gloo_comms.AllReduceReduceScatter()(
+        out_ours, mine, group, dist.ReduceOp.SUM))
+    rs_theirs = extra_memory(lambda: dist.reduce_scatter_tensor(out_theirs, grads, group=group))
+    return {"bytes": numel * 4, "all_gather_equal": torch.equal(ours, theirs),
+            "reduce_scatter_max_diff": (out_ours - out_theirs).abs().max().item(),
+            "reduce_scatter_scale": out_theirs.abs().max().item(),
+            "extra": {"all_gather": [ag_ours, ag_theirs],
+                      "reduce_scatter": [rs_ours, rs_theirs]}}
+
+
+class Counting:
+    """Counts the calls FSDP2 makes to the installed collectives."""
+
+    def __init__(self, comm):
+        self.comm, self.calls = comm, 0
+
+    def allocate(self, *args, **kwargs):
+        return self.comm.allocate(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.comm(*args, **kwargs)
+
+
+def train(mesh, install: bool):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5), nn.Tanh(),
+                          nn.Linear(5, 3))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    counts = None
+    if install:
+        assert gloo_comms.install(model, mesh.get_group()) == 3
+        counts = [Counting(gloo_comms.BroadcastAllGather()),
+                  Counting(gloo_comms.AllReduceReduceScatter())]
+        for unit in (model, model[0], model[2]):
+            unit.set_custom_all_gather(counts[0])
+            unit.set_custom_reduce_scatter(counts[1])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(100 + dist.get_rank())
+    for _ in range(3):
+        x = torch.randn(4, 7, generator=g)
+        model(x).pow(2).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    params = [p.full_tensor() for p in model.parameters()]
+    return params, None if counts is None else [c.calls for c in counts]
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    report = {"collectives": collectives(mesh.get_group(), 16 * MIB // 4),
+              "uneven": collectives(mesh.get_group(), 1001)}
+    theirs, _ = train(mesh, install=False)
+    ours, calls = train(mesh, install=True)
+    report["train_max_diff"] = max((a - b).abs().max().item() for a, b in zip(ours, theirs))
+    report["train_moved"] = min((a - b).abs().max().item()
+                                for a, b in zip(ours, train_initial(mesh)))
+    report["calls"] = calls
+    report["world_size"] = dist.get_world_size()
+    report_and_exit(report, print_here=dist.get_rank() == 0)
+
+
+def train_initial(mesh):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5), nn.Tanh(),
+                          nn.Linear(5, 3))
+    return [p.detach() for p in model.parameters()]
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

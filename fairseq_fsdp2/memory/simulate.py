@@ -203,8 +203,13 @@ class _FSDP2Step:
         led.sub("comm", self.retained_rs)  # the previous input buffer is released first
         self.retained_rs = 0
         rs_input = self.padded[name] * 4
+        # A unit reduced at the end of backward (the root, the shared embedding) still holds
+        # its unsharded gradients while FSDP2 allocates the reduce-scatter output (measured at
+        # NLLB-600M: gradient, input and output of the shared unit alive at once); a layer's
+        # gradients are freed after the copy-in, before the output is allocated.
+        output = self.local[name] * 4 if in_ledger and self.on_device else 0
         led.moment(f"backward: reduce-scatter {name}", comm=rs_input,
-                   grads=0 if in_ledger else grad_bytes)
+                   grads=output if in_ledger else grad_bytes)
         if in_ledger:
             led.sub("grads", grad_bytes)  # unsharded gradients dropped after the copy-in
         led.add("comm", rs_input)

@@ -6,9 +6,9 @@ reversed, so a model can learn it and its loss falls within a few updates.
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 from pathlib import Path
+
+from fairseq_fsdp2.data.preprocess import run_preprocess
 
 SRC_WORDS = [f"s{i}" for i in range(40)]
 TGT_WORDS = [f"t{i}" for i in range(40)]
@@ -30,10 +30,7 @@ def make_corpus(root: Path, n_train: int = 2000, n_valid: int = 100) -> Path:
     write_split(raw / "train", n_train, seed=1)
     write_split(raw / "valid", n_valid, seed=2)
     bin_dir = root / "bin"
-    subprocess.run(
-        [sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "src",
-         "--target-lang", "tgt", "--trainpref", str(raw / "train"),
-         "--validpref", str(raw / "valid"), "--destdir", str(bin_dir),
-         "--joined-dictionary", "--workers", "1"],
-        check=True, capture_output=True)
+    run_preprocess(["--source-lang", "src", "--target-lang", "tgt", "--trainpref", raw / "train",
+                    "--validpref", raw / "valid", "--destdir", bin_dir, "--joined-dictionary",
+                    "--workers", "1"])
     return bin_dir

@@ -1,13 +1,11 @@
 """Real multi-process fairseq-train runs with the FSDP2 backend (gloo, CPU)."""
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from conftest import PLUGIN, REPO, stock_ddp, train_args_for
-from launcher import (FORKED_WORKER, base_env, free_port, ok, run_ranks, start_torchrun,
+from launcher import (FORKED_WORKER, free_port, ok, run_command, run_ranks, start_torchrun,
                       train_inner)
 from numerics import FP32_REORDERED, U16, U_BF16, assert_runs_close, per_update
 
@@ -80,12 +78,11 @@ def test_torchrun_without_distributed_flags(train_args, tmp_path):
 
 
 def test_single_process_without_torchrun(train_args):
-    proc = subprocess.run([sys.executable, "-m", "fairseq_cli.train",
-                           *train_args(*FSDP2, updates=4)],
-                          env=base_env(), capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "over 1 rank(s)" in proc.stdout
-    assert len(train_inner(proc.stdout)) == 4
+    """fairseq-train alone (no torchrun, no distributed variables): a 1-rank group."""
+    proc = run_command("fairseq_cli.train", *train_args(*FSDP2, updates=4), timeout=180)
+    assert proc.returncode == 0, proc.output[-3000:]
+    assert "over 1 rank(s)" in proc.output
+    assert len(train_inner(proc.output)) == 4
 
 
 def test_legacy_nllb_flags_run_on_fsdp2(train_args):

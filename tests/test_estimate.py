@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import json
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import PLUGIN
-from launcher import ok, run_ranks
+from launcher import ok, run_command, run_ranks
 
 from fairseq_fsdp2 import estimate as cli
 from fairseq_fsdp2 import plot_memory
@@ -333,10 +331,10 @@ def test_plot_memory_writes_a_png(tmp_path, capsys):
     assert per_rank_series(read_memory_log(log)) == {0: ([2, 4, 6], [1.2, 1.4, 1.6]),
                                                      1: ([2, 4, 6], [1.1, 1.3, 1.5])}
     out = tmp_path / "plots" / "memory.png"
-    proc = subprocess.run([sys.executable, "-m", "fairseq_fsdp2.plot_memory", str(log),
-                           str(out), "--predicted-gb", "1.5"], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    # the command, a process of its own (forked from the test server: torch imported)
+    proc = run_command("fairseq_fsdp2.plot_memory", log, out, "--predicted-gb", "1.5",
+                       timeout=120)
+    assert proc.returncode == 0, proc.output[-2000:]
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", data[16:24])

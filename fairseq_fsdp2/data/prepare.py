@@ -28,8 +28,6 @@ import os
 import random
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
@@ -39,6 +37,7 @@ from typing import Optional, Sequence
 import sentencepiece as spm
 
 from . import hf_vocab
+from .preprocess import PreprocessError, run_preprocess
 
 SPLITS = ("train", "valid", "test")
 LANG_CODE = re.compile(r"^[a-z]{3}_[A-Z][a-z]{3}$")
@@ -238,17 +237,15 @@ def build_dictionary(encoded_train: Sequence[Path], append_langs: Sequence[str],
 def binarize(pair: Pair, splits: Sequence[str], encoded_dir: Path, dictionary: Path,
              out_dir: Path, workers: int) -> None:
     """One fairseq-preprocess run for a pair, the shared dictionary on both sides."""
-    cmd = [sys.executable, "-m", "fairseq_cli.preprocess",
-           "--source-lang", pair.src, "--target-lang", pair.tgt,
-           "--srcdict", str(dictionary), "--tgtdict", str(dictionary),
-           "--destdir", str(out_dir), "--workers", str(workers), "--dataset-impl", "mmap"]
+    argv = ["--source-lang", pair.src, "--target-lang", pair.tgt,
+            "--srcdict", str(dictionary), "--tgtdict", str(dictionary),
+            "--destdir", str(out_dir), "--workers", str(workers), "--dataset-impl", "mmap"]
     for split in splits:
-        cmd += [f"--{split}pref", str(encoded_dir / f"{split}.{pair.name}")]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        raise PrepareError(f"fairseq-preprocess failed for {pair.name}: "
-                           f"{lines[-1] if lines else 'exit status %d' % proc.returncode}")
+        argv += [f"--{split}pref", str(encoded_dir / f"{split}.{pair.name}")]
+    try:
+        run_preprocess(argv)
+    except PreprocessError as exc:
+        raise PrepareError(f"fairseq-preprocess failed for {pair.name}: {exc}") from None
 
 
 def prepare(raw_dir: Path, dest: Path, *, lang_pairs: Optional[str] = None,

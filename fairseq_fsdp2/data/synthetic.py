@@ -3,9 +3,9 @@ vocabulary (not its meaning) matters, for memory validation and benchmarks."""
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 from pathlib import Path
+
+from .preprocess import run_preprocess
 
 
 def write_random_corpus(root: Path, *, vocab: int, words: int, n_train: int,
@@ -26,9 +26,8 @@ def write_random_corpus(root: Path, *, vocab: int, words: int, n_train: int,
                 s.write(" ".join(sentence) + "\n")
                 t.write(" ".join(reversed(sentence)) + "\n")
     out = root / "bin"
-    subprocess.run([sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "src",
-                    "--target-lang", "tgt", "--trainpref", str(raw / "train"),
-                    "--validpref", str(raw / "valid"), "--destdir", str(out),
-                    "--srcdict", str(root / "dict.txt"), "--tgtdict", str(root / "dict.txt"),
-                    "--workers", "1"], check=True, capture_output=True)
+    run_preprocess(["--source-lang", "src", "--target-lang", "tgt",
+                    "--trainpref", raw / "train", "--validpref", raw / "valid",
+                    "--destdir", out, "--srcdict", root / "dict.txt",
+                    "--tgtdict", root / "dict.txt", "--workers", "1"])
     return out

@@ -351,10 +351,12 @@ def test_peak_memory_at_nllb_vocabulary():
 FSDP2_CONFIGS = {  # configuration: (its flags, the variants run besides "stock")
     "fp32, root default, update-freq 2, activation checkpointing":
         (["--update-freq", "2", "--checkpoint-activations"], ["buffer", "fused"]),
-    "fp32, root always": (["--fsdp2-root-reshard", "always"], ["fused, no buffer"]),
     # 16-bit: the buffer with the fused loss (the recipe's setting); the buffer alone is the
-    # same code path, shown equal with the stock criterion in fp32 above (a run each saved)
-    "bf16, root always": (["--bf16", "--fsdp2-root-reshard", "always"], ["fused"]),
+    # same code path, shown equal with the stock criterion in fp32 above (a run each saved).
+    # The fused loss without the buffer rides along with the root resharded (fp32 has the
+    # same code path, and the tolerance below covers bf16's roundings)
+    "bf16, root always": (["--bf16", "--fsdp2-root-reshard", "always"],
+                          ["fused", "fused, no buffer"]),
     "fp16, root default": (["--fp16"], ["fused"]),
 }
 STOCK = ["--criterion", "label_smoothed_cross_entropy", "--fsdp2-no-tied-grad-buffer"]
@@ -377,7 +379,7 @@ def fsdp2_train_args(data: Path, save_dir: Path, *extra: str) -> list[str]:
         "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
         "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
         "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", str(MAX_TOKENS),
-        "--max-update", "3", "--log-format", "json", "--log-interval", "1", "--seed", "1",
+        "--max-update", "2", "--log-format", "json", "--log-interval", "1", "--seed", "1",
         "--cpu", "--no-progress-bar", "--no-save", "--disable-validation",
         "--ddp-backend", "fsdp2", "--min-params-to-wrap", "1",
         "--label-smoothing", "0.1", "--report-accuracy", *extra]
@@ -400,7 +402,7 @@ def fsdp2_runs(tmp_path_factory, corpus) -> dict:
             output = ok(run_ranks(2, lambda rank: args, timeout=240, module="count_all_gathers",
                                   env={"PYTHONPATH": str(ROOT / "tests" / "probes")}))
             records = train_inner(output)
-            assert len(records) == 3, output[-3000:]
+            assert len(records) == 2, output[-3000:]
             out[config, variant] = (records, all_gathers(output))
     return out
 

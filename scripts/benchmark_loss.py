@@ -167,13 +167,7 @@ def main() -> int:
     load = (f"1-minute load average {min(loads):.1f} to {max(loads):.1f} on "
             f"{os.cpu_count()} cores at the rows' starts (the benchmark's own ranks included)")
     text = report(rows, args, bench.versions(), load)
-    out = Path(args.out)
-    old = out.read_text() if out.exists() else ""
-    if BEGIN in old and END in old:
-        new = old[:old.index(BEGIN)] + text + old[old.index(END) + len(END):]
-    else:
-        new = old.rstrip() + "\n\n" + text + "\n"
-    out.write_text(new)
+    bench.replace_section(Path(args.out), BEGIN, END, text)
     (work / "benchmark_loss.json").write_text(json.dumps(rows, indent=1))
     print(text)
     return 0

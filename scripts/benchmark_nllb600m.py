@@ -167,13 +167,7 @@ def main() -> int:
         row["seed"] = seed_scenario(data, work)
         (work / "benchmark_nllb600m.json").write_text(json.dumps(row, indent=1))
     text = report(row, row["seed"], bench.versions())
-    out = Path(args.out)
-    old = out.read_text() if out.exists() else ""
-    if BEGIN in old and END in old:
-        new = old[:old.index(BEGIN)] + text + old[old.index(END) + len(END):]
-    else:
-        new = old.rstrip() + "\n\n" + text + "\n"
-    out.write_text(new)
+    bench.replace_section(Path(args.out), BEGIN, END, text)
     print(text)
     return 0
 

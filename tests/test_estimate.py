@@ -62,13 +62,17 @@ def train_args(data: Path, save_dir: Path, *extra: str) -> list[str]:
 
 VALIDATION = {
     "1 rank, fp32, per-layer, root default": (1, ["--min-params-to-wrap", "1"]),
-    # bf16 matmuls are several times slower on CPUs without AVX-512 BF16 (170 s at 40
-    # sentences and 3 updates on one of our machines): 24 sentences (and, as for every case,
-    # one steady update: 0.4x the work) still measure the bf16 and whole-model-unit terms,
-    # with the tensors well above the runtime baseline (predicted 0.85 GiB, 1.5 x 0.435)
+    # Model dimension 32: without AVX-512, torch's bf16 matmul is a reference GEMM, and the
+    # output projection's input gradient ([tokens, 50k] @ [50k, dim]) is pathological there:
+    # 46.6 s at dim 256, 1.8 s at dim 32 (504 tokens, one thread, measured here with
+    # ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2, as on the AMD EPYC machines where this
+    # case took 165-170 s at dim 256). The logits' bf16 and fp32 copies, the term bf16 changes
+    # most, do not depend on dim: they stay most of the tensors (predicted 0.73 GiB per rank,
+    # 1.7x the 0.43 GiB runtime baseline), one unit over the whole model as the plan asks.
     "2 ranks, bf16, legacy-equivalent plan (1e8)": (
         2, ["--min-params-to-wrap", "100000000", "--bf16",
-            "--max-tokens", str(24 * (SENTENCE + 1))]),
+            "--max-tokens", str(24 * (SENTENCE + 1)),
+            "--encoder-embed-dim", "32", "--decoder-embed-dim", "32"]),
     "2 ranks, fp32, per-layer, root always, chunked loss": (
         2, ["--min-params-to-wrap", "1", "--fsdp2-root-reshard", "always",
             "--criterion", "label_smoothed_cross_entropy_chunked", "--loss-chunk-tokens", "256"]),

@@ -220,9 +220,12 @@ def test_pretrained_stock_checkpoint_loads_without_full_copies_on_every_rank(cor
            "--encoder-layers", "4", "--decoder-layers", "4", "--encoder-embed-dim", "512",
            "--decoder-embed-dim", "512", "--encoder-ffn-embed-dim", "2048",
            "--decoder-ffn-embed-dim", "2048"]
+    # what is measured is the load, not the update: ~100 tokens a batch (not TRAINING's 500)
+    # keep the model's one update per run cheap (the 4+4 layers of 512 are for the model's size)
+    batch = ["--max-tokens", "100"]
     stock_dir = tmp_path / "stock"
     # a stock checkpoint, written by fairseq itself (one process, no plugin)
-    proc = run_command("fairseq_cli.train", corpus, *big, *TRAINING, "--max-update", "1",
+    proc = run_command("fairseq_cli.train", corpus, *big, *TRAINING, *batch, "--max-update", "1",
                        "--save-dir", stock_dir, "--no-save-optimizer-state",
                        "--no-epoch-checkpoints",
                        timeout=900)  # a hang guard: seconds when idle, minutes when loaded
@@ -233,8 +236,8 @@ def test_pretrained_stock_checkpoint_loads_without_full_copies_on_every_rank(cor
     model_gb = sum(t.numel() * t.element_size() for t in unique) / 2 ** 30
     largest_gb = max(t.numel() * t.element_size() for t in unique) / 2 ** 30
     assert model_gb > 0.1
-    out = ok(run_ranks(2, lambda r: [str(corpus), "--user-dir", PLUGIN, *big, *TRAINING, *FSDP2,
-                                     "--finetune-from-model", str(pretrained),
+    out = ok(run_ranks(2, lambda r: [str(corpus), "--user-dir", PLUGIN, *big, *TRAINING, *batch,
+                                     *FSDP2, "--finetune-from-model", str(pretrained),
                                      "--max-update", "1", "--no-save",
                                      "--save-dir", str(tmp_path / "ft")]))
     line = next(l for l in out.splitlines() if "loaded pretrained weights" in l)
@@ -259,7 +262,7 @@ def test_pretrained_stock_checkpoint_loads_without_full_copies_on_every_rank(cor
     # losses as stock fairseq's own 2-rank fine-tune from the same file
     # (--user-dir only for torch.load's allow-list: stock fairseq cannot read its own files)
     stock = ok(run_ranks(2, lambda r: [str(corpus), "--user-dir", PLUGIN, *big, *TRAINING,
-                                       *stock_ddp(r, 2),
+                                       *batch, *stock_ddp(r, 2),
                                        "--finetune-from-model", str(pretrained),
                                        "--max-update", "1", "--no-save",
                                        "--save-dir", str(tmp_path / "stock-ft")]))

@@ -114,15 +114,26 @@ def test_root_reshard_setting_takes_effect(corpus):
                                 "layer": "resharded"}
 
 
-def test_four_ranks_reshard_degree_and_hsdp_match_plain_fsdp(train_args):
-    plain = ok(run_ranks(4, lambda r: train_args(*FSDP2, updates=3)))
+def test_four_ranks_reshard_degree_hsdp_and_fused_loss_match_the_stock_path(train_args):
+    """4 ranks, each against plain FSDP2 with the stock criterion and no tied-gradient buffer
+    (the stock path): reshard degree 2; HSDP (2 replicas x 2 shards, root always); the recipe's
+    fused chunked loss (64-token chunks: several per batch) with the buffer, whose loss is a sum
+    over chunks and whose embedding gradient is added chunk by chunk into the buffer. The same
+    math, other collectives and sum orders: FP32_REORDERED."""
+    plain = ok(run_ranks(4, lambda r: train_args(*FSDP2, "--fsdp2-no-tied-grad-buffer",
+                                                 updates=3)))
     degree = ok(run_ranks(4, lambda r: train_args(*FSDP2, "--fsdp2-reshard-degree", "2",
                                                   updates=3)))
     hsdp = ok(run_ranks(4, lambda r: train_args(*FSDP2, "--fsdp2-replicate-degree", "2",
                                                 "--fsdp2-root-reshard", "always", updates=3)))
+    fused = ok(run_ranks(4, lambda r: train_args(
+        *FSDP2, "--criterion", "label_smoothed_cross_entropy_chunked", "--loss-chunk-tokens",
+        "64", updates=3)))
     assert "to groups of 2 ranks" in degree
-    for other in (degree, hsdp):  # the same math, other collectives: FP32_REORDERED
+    assert "criterion: LabelSmoothedCrossEntropyChunkedCriterion" in fused
+    for other in (degree, hsdp):
         assert_runs_close(other, plain, FP32_REORDERED, 3)
+    assert_runs_close(fused, plain, FP32_REORDERED, 3, keys=("loss", "nll_loss", "gnorm"))
 
 
 def test_fp16_overflow_skips_on_every_rank_and_trains(train_args):

@@ -68,7 +68,8 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     logging.disable(logging.CRITICAL)  # hydra's debug lines would go to the test's stderr
     convert_namespace_to_omegaconf(options.parse_args_and_arch(
-        options.get_training_parser(), ["unused", "--task", "translation", "--arch", "transformer"]))
+        options.get_training_parser(),
+        ["unused", "--task", "translation", "--arch", "transformer"]))
     logging.disable(logging.NOTSET)
 sys.argv = _argv
 

@@ -26,7 +26,8 @@ def test_same_values_as_gloos_own_collectives(report, case):
     assert r["all_gather_equal"]  # broadcasting copies bits
     # the same sum per element: a + b = b + a on 2 ranks; gloo may associate 4 terms
     # otherwise, each sum then within 4 x U32 of the largest magnitude
-    bound = 0.0 if report["world_size"] == 2 else report["world_size"] * U32 * r["reduce_scatter_scale"]
+    size = report["world_size"]
+    bound = 0.0 if size == 2 else size * U32 * r["reduce_scatter_scale"]
     assert r["reduce_scatter_max_diff"] <= bound, r
 
 

@@ -4,10 +4,11 @@
   pre-imported server; it starts its workers as usual, each a small process (fork_client.py)
   whose environment, output and signals the server's forked child takes on, so the agent sees
   and signals its workers as with the ``torchrun`` command; tests/test_nllb_finetune.py runs
-  the command itself, with fresh interpreters): a worker is SIGKILLed mid-run (tests/probes/fault_point.py). With the default settings the job
-  stops: the agent's report names the lost rank, the survivor prints one line saying how to
-  resume. With ``--max-restarts 1`` the agent restarts the workers, which resume from the
-  newest complete checkpoint.
+  the command itself, with fresh interpreters): a worker is SIGKILLed mid-run
+  (tests/probes/fault_point.py). With the default settings the job stops: the agent's report
+  names the lost rank, the survivor prints one line saying how to resume. With
+  ``--max-restarts 1`` the agent restarts the workers, which resume from the newest complete
+  checkpoint.
 - SLURM, emulated: no SLURM here, so each task gets the environment ``srun`` gives it
   (SLURM_JOB_NODELIST, SLURM_NNODES, SLURM_NTASKS(_PER_NODE), SLURM_NODEID, SLURM_PROCID,
   SLURM_LOCALID) and a stand-in ``scontrol`` on PATH answers ``scontrol show hostnames`` with

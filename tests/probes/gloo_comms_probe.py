@@ -78,10 +78,15 @@ class Counting:
         return self.comm(*args, **kwargs)
 
 
-def train(mesh, install: bool):
+def build_model() -> nn.Module:
+    """The probe's model, the same initial weights at every call."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5), nn.Tanh(),
-                          nn.Linear(5, 3))
+    return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5), nn.Tanh(),
+                         nn.Linear(5, 3))
+
+
+def train(mesh, install: bool):
+    model = build_model()
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -113,17 +118,10 @@ def main() -> None:
     ours, calls = train(mesh, install=True)
     report["train_max_diff"] = max((a - b).abs().max().item() for a, b in zip(ours, theirs))
     report["train_moved"] = min((a - b).abs().max().item()
-                                for a, b in zip(ours, train_initial(mesh)))
+                                for a, b in zip(ours, build_model().parameters()))
     report["calls"] = calls
     report["world_size"] = dist.get_world_size()
     report_and_exit(report, print_here=dist.get_rank() == 0)
-
-
-def train_initial(mesh):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5), nn.Tanh(),
-                          nn.Linear(5, 3))
-    return [p.detach() for p in model.parameters()]
 
 
 if __name__ == "__main__":

@@ -181,15 +181,16 @@ def test_nan_loss_and_out_of_memory_stop_naming_update_and_rank(train_args, tmp_
         assert re.search(pattern, r.output), f"rank {r.rank}:\n{r.output[-3000:]}"
 
 
-def test_six_short_runs_exit_cleanly(train_args):
+def test_three_short_runs_exit_cleanly(train_args):
     """gloo with a device mesh aborts at interpreter exit in about half of CPU runs (platform
-    notes); the plugin's shutdown path must make every successful run exit 0. 6 runs are 12
-    process exits: without the fix all would pass with probability about 2^-12 (and every other
-    run of the suite must exit 0 as well)."""
+    notes); the plugin's shutdown path must make every successful run exit 0. 3 runs are 6
+    process exits: without the fix all would pass with probability about 2^-6, and every other
+    FSDP2 run of the suite (over a hundred rank exits, each checked for status 0) multiplies
+    that by another half per exit."""
     args = train_args("--ddp-backend", "fsdp2", "--num-workers", "0", updates=1)
     codes = []
-    for attempt in range(6):
+    for attempt in range(3):
         results = finish_ranks(start_ranks(2, lambda r: args), timeout=HANG_S)
         codes += [r.returncode for r in results]
         assert "done training" in results[0].output, results[0].output[-2000:]  # rank 0 logs
-    assert codes == [0] * 12, codes
+    assert codes == [0] * 6, codes

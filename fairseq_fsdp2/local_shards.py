@@ -112,20 +112,27 @@ def multiply_grads(params: Iterable[torch.Tensor], c) -> None:
             torch._foreach_mul_(grads, c.to(device) if torch.is_tensor(c) else c)
 
 
-_classes: dict[type, type] = {}
+_classes: dict[tuple[type, type], type] = {}
+
+
+def mix_into(torch_optimizer: torch.optim.Optimizer, mixin: type,
+             optimizers: frozenset) -> bool:
+    """Give ``torch_optimizer`` the ``mixin`` if its class is among ``optimizers`` (module,
+    class name); returns whether it has it. The class becomes a subclass of the same name (as
+    ``fully_shard`` changes a module's class; the name is what fairseq and torch show)."""
+    cls = type(torch_optimizer)
+    if issubclass(cls, mixin):
+        return True
+    if (cls.__module__, cls.__name__) not in optimizers:
+        return False
+    if (mixin, cls) not in _classes:
+        _classes[mixin, cls] = type(cls.__name__, (mixin, cls), {
+            "__qualname__": cls.__qualname__, "__module__": cls.__module__})
+    torch_optimizer.__class__ = _classes[mixin, cls]
+    return True
 
 
 def use_local_shards(torch_optimizer: torch.optim.Optimizer) -> bool:
     """Give ``torch_optimizer`` the local-shard step if it is elementwise; returns whether it
-    did. The class becomes a subclass of the same name (as ``fully_shard`` changes a module's
-    class; the name is what fairseq and torch show)."""
-    cls = type(torch_optimizer)
-    if issubclass(cls, LocalShardStep):
-        return True
-    if (cls.__module__, cls.__name__) not in ELEMENTWISE:
-        return False
-    if cls not in _classes:
-        _classes[cls] = type(cls.__name__, (LocalShardStep, cls),
-                             {"__qualname__": cls.__qualname__, "__module__": cls.__module__})
-    torch_optimizer.__class__ = _classes[cls]
-    return True
+    did."""
+    return mix_into(torch_optimizer, LocalShardStep, ELEMENTWISE)

@@ -18,6 +18,7 @@ from fairseq import optim
 from omegaconf import open_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from .factored_state import use_factored_state
 from .grad_norm import use_global_grad_norm
 from .local_shards import use_local_shards
 
@@ -60,7 +61,8 @@ def build_optimizer(cfg, params, local_shards: bool = True):
     machines without apex. And the gradient norm is the global one over DTensor gradients
     (grad_norm.py), whatever fairseq's helper would compute; elementwise work (Adam's step,
     scaling the gradients) runs on the local shards (local_shards.py; ``local_shards=False``
-    leaves it to DTensor dispatch, the reference the tests and the benchmark compare with)."""
+    leaves it to DTensor dispatch, the reference the tests and the benchmark compare with);
+    Adafactor's factored statistics are made DTensors (factored_state.py)."""
     optimizer_cfg = cfg.optimizer
     if "use_old_adam" in optimizer_cfg:
         optimizer_cfg = copy.deepcopy(optimizer_cfg)  # the run's saved cfg stays the user's
@@ -70,6 +72,7 @@ def build_optimizer(cfg, params, local_shards: bool = True):
     use_global_grad_norm(inner, local_shards)
     if local_shards:
         use_local_shards(inner.optimizer)  # elementwise optimizers step on the local shards
+    use_factored_state(inner.optimizer)  # Adafactor: its row and column statistics sharded
     if cfg.common.fp16:
         # allow_unsupported: the parameters are fp32 master weights, so any fairseq optimizer
         # is valid under the scaler (the same choice fairseq makes for legacy FSDP + --fp16).

@@ -384,6 +384,47 @@ def test_resume_at_epoch_end_on_one_rank_with_double_update_freq(validation):
     assert_same_training(made, {n: uninterrupted[n] for n in made})
 
 
+# --- Adafactor: factored second moments of sharded parameters -----------------------------------
+# --scale-parameter scales each step by the parameter's RMS (a global norm of the shards),
+# --beta1 adds a first moment; a save every 3 updates, resumed from update 3.
+ADAFACTOR = ["--optimizer", "adafactor", "--lr", "0.03", "--scale-parameter", "--beta1", "0.9",
+             "--max-tokens", "500", "--log-format", "json", "--disable-validation",
+             "--max-update", "6", "--save-interval-updates", "3", "--no-epoch-checkpoints"]
+
+
+@pytest.fixture(scope="module")
+def adafactor(corpus, tmp_path_factory):
+    return tiny_model_scenario(corpus, tmp_path_factory, "adafactor", ADAFACTOR)
+
+
+def saved_state_keys(save: Path) -> set[str]:
+    """The names of the tensors an FSDP2 checkpoint's shards hold."""
+    import torch.distributed.checkpoint as dcp
+    shards = torch.load(save / "checkpoint_last.pt", weights_only=True)["fsdp2"]["shards"]
+    return set(dcp.FileSystemReader(str(save / shards)).read_metadata().state_dict_metadata)
+
+
+def test_adafactor_as_stock_and_resumed_from_its_own_or_a_stock_checkpoint(adafactor):
+    """fairseq's Adafactor keeps row and column means of each matrix's squared gradient
+    (factored_state.py shards them): the same updates as stock; resumed from its own save
+    (DCP), every update as the uninterrupted run's; from stock fairseq's save (its full
+    statistics cut into shards), the stock run's updates."""
+    ours, stock = updates(adafactor.fsdp2), updates(adafactor.stock)
+    assert sorted(ours) == list(range(1, 7))
+    assert_same_training(ours, stock)
+    keys = saved_state_keys(adafactor.save_dir("fsdp2"))
+    row = "optim.state.encoder.layers.0.fc1.weight.exp_avg_sq_row"
+    assert {row, row[:-3] + "col"} <= keys and row[:-4] not in keys, sorted(keys)[:20]
+    own = adafactor.save_dir("fsdp2") / "checkpoint_1_3.pt"
+    assert_resumed_exactly(updates(adafactor.run("resumed", "--restore-file", own, "--no-save")),
+                           ours, 4)
+    made = updates(adafactor.run("from-stock", "--restore-file",
+                                 adafactor.save_dir("stock") / "checkpoint_1_3.pt", "--no-save",
+                                 backend="fsdp2"))
+    assert sorted(made) == [4, 5, 6]
+    assert_same_training(made, {n: stock[n] for n in made})
+
+
 # --- the NLLB task: translation_multi_simple_epoch, temperature sampling, virtual epochs -------------
 PAIRS = [("eng_Latn", "fra_Latn"), ("eng_Latn", "deu_Latn")]
 

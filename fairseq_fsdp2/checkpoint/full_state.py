@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..errors import CheckpointError
+from ..factored_state import state_placements
 from ..grad_norm import comm_device
 
 
@@ -25,16 +26,21 @@ def _shard_state(optimizer, state_dict):
         return None
     params = [p for group in optimizer.param_groups for p in group["params"]]
 
-    def shard(value, target):
-        if isinstance(target, DTensor) and torch.is_tensor(value) \
-                and not isinstance(value, DTensor) and value.shape == target.shape:
-            return distribute_tensor(value.to(target.device, target.dtype), target.device_mesh,
-                                     target.placements, src_data_rank=None)
-        return value
+    def shard(name, value, target):
+        if not isinstance(target, DTensor) or not torch.is_tensor(value) \
+                or isinstance(value, DTensor):
+            return value
+        # like the parameter, or one of Adafactor's row and column means of it
+        placements = target.placements if value.shape == target.shape \
+            else state_placements(name, value, target)
+        if placements is None:
+            return value  # e.g. a step count, a scalar
+        return distribute_tensor(value.to(target.device, target.dtype), target.device_mesh,
+                                 placements, src_data_rank=None)
 
     # torch's own format keys state by parameter index (DCP's own loads use names: left alone)
     state_dict["state"] = {
-        index: {name: shard(value, params[index]) for name, value in per_param.items()}
+        index: {name: shard(name, value, params[index]) for name, value in per_param.items()}
         if isinstance(index, int) else per_param
         for index, per_param in state_dict["state"].items()}
     return state_dict

@@ -224,7 +224,8 @@ def _after_training(cfg) -> None:
             and not cfg.distributed_training.fsdp2_no_consolidate \
             and os.path.isdir(cfg.checkpoint.save_dir):
         try:
-            for path in consolidate_at_end(cfg.checkpoint.save_dir):
+            for path in consolidate_at_end(cfg.checkpoint.save_dir,
+                                           cfg.checkpoint.checkpoint_suffix):
                 logger.info(f"wrote consolidated checkpoint {path} (stock fairseq format)")
         except Exception as e:  # noqa: BLE001 - training is done; say how to export by hand
             if os.environ.get(DEBUG_ENV) or not distributed:

@@ -44,7 +44,8 @@ def weights_will_be_loaded(cfg) -> bool:
     if ckpt.restore_file == sharded.DEFAULT_RESTORE_FILE:
         path = os.path.join(ckpt.save_dir, f"checkpoint_last{ckpt.checkpoint_suffix}.pt")
         # the trainer's rule: checkpoint_last, else a newer complete update checkpoint
-        return os.path.isfile(path) or sharded.newest_complete(ckpt.save_dir) is not None
+        return os.path.isfile(path) or \
+            sharded.newest_complete(ckpt.save_dir, suffix=ckpt.checkpoint_suffix) is not None
     return os.path.isfile(ckpt.restore_file)
 
 

@@ -318,7 +318,8 @@ class FSDP2Trainer(Trainer):
                 not os.path.basename(filename).startswith("checkpoint_last"):
             return filename
         last = sharded.saved_updates(filename) if os.path.isfile(filename) else -1
-        newer = sharded.newest_complete(os.path.dirname(filename), newer_than=last)
+        newer = sharded.newest_complete(os.path.dirname(filename), newer_than=last,
+                                        suffix=self.cfg.checkpoint.checkpoint_suffix)
         if newer is None:
             return filename
         updates, path = newer

@@ -384,12 +384,15 @@ def test_resume_at_epoch_end_on_one_rank_with_double_update_freq(validation):
     assert_same_training(made, {n: uninterrupted[n] for n in made})
 
 
-# --- Adafactor: factored second moments of sharded parameters -----------------------------------
+# --- Adafactor (factored second moments of sharded parameters), --checkpoint-suffix -------------
 # --scale-parameter scales each step by the parameter's RMS (a global norm of the shards),
-# --beta1 adds a first moment; a save every 3 updates, resumed from update 3.
+# --beta1 adds a first moment; a save every 3 updates, resumed from update 3; every file name
+# carries the suffix, the consolidated export's too.
+SUFFIX = "-af"
 ADAFACTOR = ["--optimizer", "adafactor", "--lr", "0.03", "--scale-parameter", "--beta1", "0.9",
              "--max-tokens", "500", "--log-format", "json", "--disable-validation",
-             "--max-update", "6", "--save-interval-updates", "3", "--no-epoch-checkpoints"]
+             "--max-update", "6", "--save-interval-updates", "3", "--no-epoch-checkpoints",
+             f"--checkpoint-suffix={SUFFIX}"]
 
 
 @pytest.fixture(scope="module")
@@ -397,25 +400,35 @@ def adafactor(corpus, tmp_path_factory):
     return tiny_model_scenario(corpus, tmp_path_factory, "adafactor", ADAFACTOR)
 
 
-def saved_state_keys(save: Path) -> set[str]:
-    """The names of the tensors an FSDP2 checkpoint's shards hold."""
+def saved_state_keys(checkpoint: Path) -> set[str]:
+    """The names of the tensors the shards of an FSDP2 checkpoint file hold."""
     import torch.distributed.checkpoint as dcp
-    shards = torch.load(save / "checkpoint_last.pt", weights_only=True)["fsdp2"]["shards"]
-    return set(dcp.FileSystemReader(str(save / shards)).read_metadata().state_dict_metadata)
+    shards = torch.load(checkpoint, weights_only=True)["fsdp2"]["shards"]
+    return set(dcp.FileSystemReader(str(checkpoint.parent / shards)).read_metadata()
+               .state_dict_metadata)
 
 
-def test_adafactor_as_stock_and_resumed_from_its_own_or_a_stock_checkpoint(adafactor):
+def test_adafactor_and_checkpoint_suffix_as_stock_and_resumed_from_own_or_stock_checkpoint(
+        adafactor):
     """fairseq's Adafactor keeps row and column means of each matrix's squared gradient
     (factored_state.py shards them): the same updates as stock; resumed from its own save
     (DCP), every update as the uninterrupted run's; from stock fairseq's save (its full
-    statistics cut into shards), the stock run's updates."""
+    statistics cut into shards), the stock run's updates. With --checkpoint-suffix: the same
+    files as stock, and the consolidated export of checkpoint_last<suffix>.pt."""
     ours, stock = updates(adafactor.fsdp2), updates(adafactor.stock)
     assert sorted(ours) == list(range(1, 7))
     assert_same_training(ours, stock)
-    keys = saved_state_keys(adafactor.save_dir("fsdp2"))
+    save = adafactor.save_dir("fsdp2")
+    assert checkpoint_files(save) == checkpoint_files(adafactor.save_dir("stock")) == \
+        {f"checkpoint_1_3{SUFFIX}.pt", f"checkpoint_1_6{SUFFIX}.pt", f"checkpoint_last{SUFFIX}.pt"}
+    exported = torch.load(save / f"checkpoint_last{SUFFIX}_consolidated.pt", weights_only=True)
+    stock_last = adafactor.save_dir("stock") / f"checkpoint_last{SUFFIX}.pt"
+    assert exported["model"].keys() == torch.load(stock_last, weights_only=True)["model"].keys()
+    keys = saved_state_keys(save / f"checkpoint_last{SUFFIX}.pt")
     row = "optim.state.encoder.layers.0.fc1.weight.exp_avg_sq_row"
     assert {row, row[:-3] + "col"} <= keys and row[:-4] not in keys, sorted(keys)[:20]
-    own = adafactor.save_dir("fsdp2") / "checkpoint_1_3.pt"
+    # fairseq adds the suffix to --restore-file too: checkpoint_1_3.pt names checkpoint_1_3-af.pt
+    own = save / "checkpoint_1_3.pt"
     assert_resumed_exactly(updates(adafactor.run("resumed", "--restore-file", own, "--no-save")),
                            ours, 4)
     made = updates(adafactor.run("from-stock", "--restore-file",

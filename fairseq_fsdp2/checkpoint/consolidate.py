@@ -118,13 +118,14 @@ def _plain(value):
     return value
 
 
-def consolidate_at_end(save_dir: str) -> list[str]:
-    """After training (rank 0): export checkpoint_best/last and drop unreferenced shards.
-    At most one full copy of the model is held: when both files reference the same shards
-    (the last save was also the best) the model is read once for both, otherwise the first
-    is freed before the second is read."""
+def consolidate_at_end(save_dir: str, suffix: str = "") -> list[str]:
+    """After training (rank 0): export checkpoint_best/last (with --checkpoint-suffix
+    ``suffix``: checkpoint_best<suffix>.pt, exported to checkpoint_best<suffix>_consolidated.pt)
+    and drop unreferenced shards. At most one full copy of the model is held: when both files
+    reference the same shards (the last save was also the best) the model is read once for
+    both, otherwise the first is freed before the second is read."""
     by_shards: dict[str, list[tuple[str, dict]]] = {}
-    for name in ("checkpoint_best.pt", "checkpoint_last.pt"):
+    for name in (f"checkpoint_best{suffix}.pt", f"checkpoint_last{suffix}.pt"):
         path = os.path.join(save_dir, name)
         if os.path.isfile(path):
             state = read_checkpoint_file(path)

@@ -168,11 +168,12 @@ def saved_updates(checkpoint_file: str) -> int:
     return read_checkpoint_file(checkpoint_file)["optimizer_history"][-1]["num_updates"]
 
 
-def update_checkpoints(save_dir: str) -> list[tuple[int, str]]:
-    """fairseq's ``checkpoint_<epoch>_<updates>.pt`` files in save_dir, newest first."""
+def update_checkpoints(save_dir: str, suffix: str = "") -> list[tuple[int, str]]:
+    """fairseq's ``checkpoint_<epoch>_<updates><suffix>.pt`` files in save_dir (``suffix``:
+    --checkpoint-suffix), newest first."""
     found = []
     for name in os.listdir(save_dir) if os.path.isdir(save_dir) else []:
-        match = re.fullmatch(r"checkpoint_\d+_(\d+)\.pt", name)
+        match = re.fullmatch(r"checkpoint_\d+_(\d+)" + re.escape(suffix) + r"\.pt", name)
         if match:
             found.append((int(match.group(1)), os.path.join(save_dir, name)))
     return sorted(found, reverse=True)
@@ -188,11 +189,12 @@ def is_complete(checkpoint_file: str) -> bool:
     return True
 
 
-def newest_complete(save_dir: str, newer_than: int = -1) -> Optional[tuple[int, str]]:
-    """(updates, path) of the newest complete ``checkpoint_<epoch>_<updates>.pt`` saved after
-    update ``newer_than``: what a restart resumes from when checkpoint_last.pt is older or
-    missing because a save died before fairseq copied the file to it."""
-    for updates, path in update_checkpoints(save_dir):
+def newest_complete(save_dir: str, newer_than: int = -1,
+                    suffix: str = "") -> Optional[tuple[int, str]]:
+    """(updates, path) of the newest complete ``checkpoint_<epoch>_<updates><suffix>.pt`` saved
+    after update ``newer_than``: what a restart resumes from when checkpoint_last<suffix>.pt is
+    older or missing because a save died before fairseq copied the file to it."""
+    for updates, path in update_checkpoints(save_dir, suffix):
         if updates <= newer_than:
             break
         if is_complete(path):

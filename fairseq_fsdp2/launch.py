@@ -36,6 +36,11 @@ logger = logging.getLogger(__name__)
 
 TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 DEBUG_ENV = "FAIRSEQ_FSDP2_DEBUG"  # set to 1 for tracebacks instead of one-line errors
+# measured with iopath 0.1.10 and torch 2.13: stock fairseq's files are unreadable the same way
+ASYNC_WRITE_REFUSED = (
+    "--write-checkpoints-asynchronously cannot be combined with --ddp-backend fsdp2: fairseq's "
+    "asynchronous writer (iopath) leaves checkpoint files that torch cannot read back (\"failed "
+    "finding central directory\"), so neither a resume nor the consolidated export could use them")
 
 
 def call_main(fairseq_call_main, cfg, main, **kwargs):
@@ -151,6 +156,8 @@ def prepare(cfg) -> bool:
         raise OptionError("--store-ema cannot be combined with --ddp-backend fsdp2: fairseq's "
                           "EMA copies the model and saves the copy from rank 0 alone, which "
                           "holds only its own shards under FSDP2")
+    if cfg.checkpoint.write_checkpoints_asynchronously:
+        raise OptionError(ASYNC_WRITE_REFUSED)
     meta_init.enable(meta_init.weights_will_be_loaded(cfg))
     if dt.distributed_no_spawn:  # a rank (not a task that starts ranks)
         _init_process_group(cfg)

@@ -74,6 +74,11 @@ def build_optimizer(cfg, params, local_shards: bool = True):
         use_local_shards(inner.optimizer)  # elementwise optimizers step on the local shards
     use_factored_state(inner.optimizer)  # Adafactor: its row and column statistics sharded
     if cfg.common.fp16:
+        # After loading optimizer state, fairseq's wrapper copies the saved state back over
+        # what torch loaded, lest torch cast it to fp16 parameters. Here the parameters are
+        # fp32 and the saved state a reference to the shards (no "param_groups": resuming
+        # an --fp16 run failed with a KeyError): its own switch turns that copy off.
+        inner.optimizer.disable_mem_eff_fp16_loading_hack = True
         # allow_unsupported: the parameters are fp32 master weights, so any fairseq optimizer
         # is valid under the scaler (the same choice fairseq makes for legacy FSDP + --fp16).
         return optim.MemoryEfficientFP16Optimizer(cfg, params, inner, allow_unsupported=True)

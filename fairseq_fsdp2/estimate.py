@@ -40,6 +40,7 @@ from .memory.estimate import (
     estimate,
     workload_for,
 )
+from . import preflight
 from .options import FSDP2_BACKEND, LEGACY_FSDP_BACKEND, tied_grad_buffer
 
 DEFAULT_SEQ_LEN = 128
@@ -122,7 +123,14 @@ def build_task(args):
         args.source_lang = args.source_lang or "src"
         args.target_lang = args.target_lang or "tgt"
         return TranslationTask(args, d, d)
-    return tasks.setup_task(args)
+    try:
+        return tasks.setup_task(args)
+    except Exception as e:  # noqa: BLE001 - a missing DATA becomes one line, others propagate
+        problem = preflight.data_error(e, getattr(args, "data", None))
+        if problem is None:
+            raise
+        raise SystemExit(f"fairseq_fsdp2.estimate: error: {problem}, or give --vocab-size V "
+                         f"instead of DATA") from None
 
 
 def build_meta_model(args):

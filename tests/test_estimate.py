@@ -287,6 +287,19 @@ def test_cli_prints_the_breakdown(capsys):
     assert lines[3].split()[0] == "1" and lines[4].split()[0] == "64"
 
 
+def test_cli_with_missing_data_is_one_line(tmp_path):
+    """DATA without fairseq-preprocess's dictionaries (and no --vocab-size): one line naming
+    what is missing and the two ways out, no traceback (as ``python -m``: SystemExit's text
+    on stderr, exit status 1)."""
+    with pytest.raises(SystemExit) as stop:
+        cli.main([str(tmp_path / "absent"), "--task", "translation",
+                  "--arch", "transformer_nllb_600m", "--max-tokens", "4096"])
+    message = str(stop.value.code)
+    assert message.startswith(f"fairseq_fsdp2.estimate: error: data not found: "
+                              f"{tmp_path / 'absent'}") and "\n" not in message, message
+    assert "--vocab-size V" in message
+
+
 def saved_bytes_on_cpu(model, batch: int, seq: int) -> int:
     """Bytes of the tensors autograd saves in a real CPU forward (each storage once)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}

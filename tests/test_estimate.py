@@ -275,6 +275,15 @@ def test_legacy_ddp_and_chunked_loss():
     assert est.cpu_baseline_bytes(NLLB_VOCAB) > est.cpu_baseline_bytes(100)
 
 
+def test_an_optimizer_it_does_not_model_is_counted_as_adam_and_said():
+    (adam,) = cli.estimate_args(nllb_args("transformer_nllb_tiny"))
+    (other,) = cli.estimate_args(nllb_args("transformer_nllb_tiny", "--optimizer", "adafactor"))
+    assert other.classes[0].breakdown["optim"] == adam.classes[0].breakdown["optim"] > 0
+    assert not any("not modelled" in n for n in adam.notes)
+    assert "optimizer adafactor: its state is not modelled; counted as Adam's" in \
+        "\n".join(other.notes)
+
+
 def test_cli_prints_the_breakdown(capsys):
     assert cli.main(nllb_args("transformer_nllb_600m", "--fp16", "--world-size", "8")) == 0
     out = capsys.readouterr().out

@@ -38,9 +38,10 @@ first update (optimizer-state creation, the full model built before sharding) is
 Batches are full (--max-tokens / --seq-len sentences, rounded down to
 --required-batch-size-multiple) and unpadded.
 
-Three modules: ``profile.py`` (the model as data: units, forward trace, workload),
-``simulate.py`` (the step simulator: the ledger, FSDP2's and legacy_ddp's step), and this one
-(the estimate per class of ranks, the CPU baseline, the printed report).
+Four modules: ``profile.py`` (the model as data: units, forward trace, workload),
+``simulate.py`` (the step simulator: the ledger, FSDP2's step), ``ddp.py`` (legacy_ddp's step on
+the same ledger), and this one (the estimate per class of ranks, the CPU baseline, the printed
+report).
 """
 from __future__ import annotations
 
@@ -50,8 +51,9 @@ from .profile import (  # noqa: F401  (re-exported: the estimator's API in one p
     BACKENDS, PRECISIONS, ForwardTrace, ModelProfile, UnitSpec, Workload, build_profile,
     resolve, trace_forward, unit_specs, workload_for,
 )
+from .ddp import simulate_ddp  # noqa: F401
 from .simulate import (  # noqa: F401
-    CATEGORIES, Setup, _unit_sizes, simulate_ddp, simulate_fsdp2,
+    CATEGORIES, OPTIMIZER_STATES, Setup, _unit_sizes, simulate_fsdp2,
 )
 
 GIB = 1024 ** 3
@@ -148,6 +150,9 @@ def estimate(profile: ModelProfile, setup: Setup) -> Estimate:
                      "reports); CUDA context, NCCL buffers and allocator fragmentation not "
                      "included; attention as PyTorch's fused kernels keep it (q, k, v, output, "
                      "log-sum-exp). Validated on CPU only (no GPU on the project's machine)")
+    if setup.optimizer not in OPTIMIZER_STATES:
+        notes.append(f"optimizer {setup.optimizer}: its state is not modelled; counted as "
+                     f"Adam's (two fp32 copies of every parameter shard)")
     w = profile.workload
     notes.append(f"batch: {w.batch} sentences x {w.seq_len} tokens = {w.tokens} tokens per "
                  f"rank, no padding; vocabulary {profile.vocab:,}; steady state (update >= 2)")

@@ -1,5 +1,5 @@
-"""The step simulator of the memory estimator: one training step of FSDP2 (or fairseq's
-legacy_ddp) on one rank, replayed on a ledger of live bytes per category (rules: estimate.py)."""
+"""The step simulator of the memory estimator: one training step of FSDP2 on one rank, replayed
+on a ledger of live bytes per category (rules: estimate.py; fairseq's legacy_ddp: ddp.py)."""
 from __future__ import annotations
 
 import math
@@ -96,14 +96,15 @@ def _unit_sizes(unit: UnitSpec, shards: int, rank: int) -> tuple[int, int, int]:
     return local, padded, largest
 
 
+#: Optimizers whose state the simulator counts: fp32 copies of each parameter (shard) kept.
+#: Any other is counted as Adam (two), and the estimate says so (estimate.py).
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "cpu_adam": 2, "nag": 1, "adagrad": 1, "sgd": 1}
+
+
 def _optimizer_states(setup: Setup) -> int:
-    if setup.optimizer in ("adam", "adamw", "cpu_adam", "nag"):
-        return 2 if setup.optimizer != "nag" else 1
-    if setup.optimizer == "sgd":
-        return 1 if setup.momentum else 0
-    if setup.optimizer == "adagrad":
-        return 1
-    return 2  # unknown: assume Adam-like
+    if setup.optimizer == "sgd" and not setup.momentum:
+        return 0
+    return OPTIMIZER_STATES.get(setup.optimizer, 2)
 
 
 class _FSDP2Step:
@@ -371,65 +372,3 @@ class _FSDP2Step:
 
 def simulate_fsdp2(profile: ModelProfile, setup: Setup, rank: int = 0) -> _Ledger:
     return _FSDP2Step(profile, setup, rank).run()
-
-
-def simulate_ddp(profile: ModelProfile, setup: Setup) -> _Ledger:
-    """fairseq's stock legacy_ddp: every rank holds the whole model, its gradients and state."""
-    c = profile.compute_bytes
-    work, trace = profile.workload, profile.trace_for(setup.device)
-    T, V, d = work.tokens, profile.vocab, profile.embed_dim
-    P = profile.total_params
-    mixed = c != 4
-    led = _Ledger()
-    led.add("gathered", P * c)  # the full model on every rank
-    master = mixed and not setup.memory_efficient_fp16
-    if master:
-        led.add("sharded", P * 4)  # fairseq's FP16Optimizer: fp32 master copy
-    led.add("optim", _optimizer_states(setup) * P * 4)
-    led.add("other", profile.buffer_bytes)
-    if setup.world_size > 1:
-        led.add("comm", P * c)  # LegacyDistributedDataParallel's all-reduce buffer
-    if master:
-        led.add("grads", P * 4)  # the fp32 master gradients, kept between steps
-    float_copy = 4 if mixed else 0
-    for kind, value in trace.events:
-        if kind == "act":
-            led.add("acts", value)
-    led.moment("end of forward")
-    new = V * d * c  # one dense gradient of the tied weight
-    if setup.loss_chunk_tokens <= 0:
-        led.moment("loss forward: logits and log-probabilities", loss=T * V * (c + float_copy + 4))
-        led.moment("loss backward: log-softmax gradient", loss=3 * T * V * 4)
-        led.moment("backward: output projection", loss=T * V * c, grads=new, acts=T * d * c)
-        led.add("grads", new)
-    else:  # the fused chunked loss; fairseq's own trainer passes no fp16 loss scale, so an
-        # fp16 model's loss gradients are float32, computed against a float32 copy of the weight
-        n = min(setup.loss_chunk_tokens, T)
-        g = 4 if setup.precision == "fp16" else c
-        weight_copy = V * d * 4 if setup.precision == "fp16" else 0
-        led.add("loss", T * d * (c + g))  # the features and their gradient
-        chunk = n * V * (4 + (c if c != 4 else 0)) + weight_copy
-        led.moment("loss forward: one chunk", loss=chunk, grads=V * d * g)
-        led.add("grads", V * d * g)
-        led.sub("loss", T * d * (c + g))
-    accumulated = setup.loss_chunk_tokens > 0
-    for kind, value in reversed(trace.events):
-        if kind == "act":
-            led.sub("acts", value)
-        elif kind == "exit" and value in profile.layer_params:
-            led.moment(f"backward: {value}",
-                       acts=2 * trace.max_act.get(value, 0) + T * d * c)
-        elif kind == "enter" and value in profile.layer_params:
-            n_params = profile.layer_params[value]
-            led.moment(f"backward: {value} gradients", grads=n_params * c, acts=2 * T * d * c)
-            led.add("grads", n_params * c)
-        elif kind == "enter" and value in profile.embed_paths:
-            extra = V * d * c if accumulated else 2 * V * d * c
-            led.moment(f"backward: {value} (embedding gradient)", grads=extra)
-            accumulated = True
-    rest = P * c - V * d * c - sum(profile.layer_params.values()) * c
-    led.add("grads", max(rest, 0))
-    largest = max(math.prod(s) for u in profile.units for s in u.shapes)
-    led.moment("optimizer step", optim=largest * 4)
-    return led
-

@@ -17,19 +17,14 @@ from fairseq.logging import metrics
 from fairseq.optim import lr_scheduler
 from fairseq.trainer import Trainer
 from omegaconf import open_dict
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from . import liveness, meta_init, precision, resume, tied_grad
 from .apply import all_unsharded, apply_plan, build_mesh
-from .checkpoint import hf_nllb, sharded
-from .checkpoint.safe_load import python_numbers, read_checkpoint_file
-from .checkpoint.shared_dir import check_shared
-from .checkpoint.full_state import broadcast_full_model, install_optimizer_hooks
-from .errors import CheckpointError, OutOfMemory, SaveFailed, first_line
+from .checkpoint.full_state import install_optimizer_hooks
+from .checkpoint.trainer_io import TrainerCheckpoints
+from .errors import CheckpointError, OutOfMemory, first_line
 from .memory import MemoryMonitor
-from .memory.monitor import current_gb, describe_last
+from .memory.monitor import describe_last
 from .memory.breakdown import record_update
 from .options import tied_grad_buffer
 from .plan import ShardingPlan, build_plan
@@ -39,8 +34,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_MIN_PARAMS_TO_WRAP = int(1e8)  # fairseq's default
 
 
-class FSDP2Trainer(Trainer):
-    """Trains a model sharded with FSDP2 (``--ddp-backend fsdp2``)."""
+class FSDP2Trainer(TrainerCheckpoints, Trainer):
+    """Trains a model sharded with FSDP2 (``--ddp-backend fsdp2``); its checkpoints:
+    checkpoint/trainer_io.py."""
 
     def __init__(self, cfg, task, model, criterion, quantizer=None):
         # fairseq's Trainer.__init__ casts the model to fp16/bf16 and refuses --cpu-offload unless
@@ -209,181 +205,6 @@ class FSDP2Trainer(Trainer):
                                            resuming):
             return super().get_train_iterator(epoch, combine, load_dataset, data_selector,
                                               shard_batch_itr, disable_iterator_cache)
-
-    # -- checkpoints ---------------------------------------------------------------------------
-    # fairseq's own save/load code runs unchanged; the model and optimizer entries of its
-    # checkpoint file (written by rank 0) reference a DCP shard directory
-    # (checkpoint/sharded.py), written by every rank and read back by the hooks below, at any
-    # world size.
-    def consolidate_optimizer(self):
-        """Write the shards. fairseq calls this on every rank at every save point (after its
-        --no-save check, before deciding which files to write, and before a crash.pt), so
-        the collective write happens on all ranks even when rank 0 then writes no file;
-        ``state_dict()`` on the saving rank only references the result."""
-        # Units that keep their parameters gathered after forward (root and shared embedding
-        # with --fsdp2-root-reshard default) are still unsharded after validation's
-        # forward-only pass; their entries would be plain tensors whose storage the next
-        # reshard frees. Reshard everything first.
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
-        self._gathered_optim_state = None  # fairseq's state_dict() reads it
-        save_dir = self.cfg.checkpoint.save_dir
-        if self.data_parallel_rank == 0:
-            os.makedirs(save_dir, exist_ok=True)
-            sharded.remove_unreferenced(save_dir)
-        keep_optimizer = not self.cfg.checkpoint.no_save_optimizer_state
-        with self._save_errors_reported():
-            self._shards = sharded.save(self.model,
-                                        self.optimizer.optimizer if keep_optimizer else None,
-                                        save_dir, self.get_num_updates())
-
-    def save_checkpoint(self, filename, extra_state):
-        resume.save_patience(self.cfg, extra_state)
-        with self._save_errors_reported():
-            super().save_checkpoint(filename, python_numbers(extra_state))
-
-    @contextlib.contextmanager
-    def _save_errors_reported(self):
-        """A failed write (disk full, unwritable directory) stops training with one line;
-        shards and files are written under temporary names, so earlier checkpoints are intact."""
-        try:
-            yield
-        except (OSError, CheckpointException) as e:
-            raise SaveFailed(
-                f"saving the checkpoint of update {self.get_num_updates()} to "
-                f"{self.cfg.checkpoint.save_dir} failed on rank {self.data_parallel_rank}: "
-                f"{_save_error(e)}; the previous checkpoints are intact") from e
-
-    def state_dict(self):
-        if self._shards is None:
-            raise RuntimeError("state_dict() needs consolidate_optimizer() first, on every "
-                               "rank: the shards are written collectively there")
-        rel, self._shards = self._shards, None
-        state = super().state_dict()  # model and optimizer entries are cheap shard references
-        buffers = {k: v for k, v in state["model"].items() if not isinstance(v, DTensor)}
-        state["model"] = {sharded.SHARDED: rel, **buffers}  # buffers: tiny, for fairseq's upgrade
-        if "last_optimizer_state" in state:
-            scale = state["last_optimizer_state"].get("loss_scale")
-            state["last_optimizer_state"] = {sharded.SHARDED: rel,
-                                             **({"loss_scale": scale} if scale else {})}
-        state["fsdp2"] = sharded.header(self.model, rel, self.data_parallel_world_size)
-        return python_numbers(state)  # fairseq keeps e.g. the best BLEU as a numpy scalar
-
-    def load_checkpoint(self, filename, reset_optimizer=False, reset_lr_scheduler=False,
-                        optimizer_overrides=None, reset_meters=False):
-        info = None
-        if not self.cfg.checkpoint.no_save:  # fairseq calls this once, at start, on every rank
-            check_shared(self.cfg.checkpoint.save_dir)  # before anything is read or written
-        if hf_nllb.is_hf_source(filename):  # --finetune-from-model of Hugging Face weights
-            return self._load_pretrained(filename)
-        filename = self._newest_complete(filename)
-        if not os.path.isfile(filename) and \
-                self.cfg.checkpoint.restore_file != sharded.DEFAULT_RESTORE_FILE:
-            # fairseq would silently start from scratch; a named restore file must exist
-            raise CheckpointError(f"--restore-file not found: {filename}")
-        if os.path.isfile(filename):
-            state = read_checkpoint_file(filename)  # memory-mapped: a cheap look
-            info = state.get("fsdp2")
-            if info is not None:
-                shard_dir = sharded.resolve(filename, info["shards"])
-                saved = sharded.saved_shapes(sharded.read_metadata(shard_dir, filename))
-            else:
-                saved = {k: tuple(v.shape) for k, v in state["model"].items()
-                         if torch.is_tensor(v)}
-            sharded.check_model_matches(self.model, saved, filename)
-            del state
-            if info is None and reset_optimizer and reset_lr_scheduler and reset_meters \
-                    and self.data_parallel_world_size > 1:
-                return self._load_pretrained(filename)
-        self._loading_from = filename
-        try:
-            extra_state = super().load_checkpoint(filename, reset_optimizer, reset_lr_scheduler,
-                                                  optimizer_overrides, reset_meters)
-        finally:
-            self._loading_from = None
-        self._weights_loaded = self._weights_loaded or os.path.isfile(filename)
-        if info is not None and extra_state is not None:
-            resume.rescale_iterator_position(extra_state, info["world_size"],
-                                             self.data_parallel_world_size)
-        if extra_state is not None and not (reset_optimizer or reset_meters):
-            resume.restore_patience(extra_state)  # as fairseq restores the best score
-        return extra_state
-
-    def _newest_complete(self, filename: str) -> str:
-        """fairseq resumes from checkpoint_last.pt. A save cut short after writing
-        checkpoint_<epoch>_<updates>.pt whole, but before copying it to checkpoint_last.pt,
-        leaves a newer complete checkpoint: resume from that one (lose nothing saved)."""
-        if self.cfg.checkpoint.restore_file != sharded.DEFAULT_RESTORE_FILE or \
-                not os.path.basename(filename).startswith("checkpoint_last"):
-            return filename
-        last = sharded.saved_updates(filename) if os.path.isfile(filename) else -1
-        newer = sharded.newest_complete(os.path.dirname(filename), newer_than=last,
-                                        suffix=self.cfg.checkpoint.checkpoint_suffix)
-        if newer is None:
-            return filename
-        updates, path = newer
-        logger.info(f"{path} (update {updates}) is newer than {filename} (update {last}), "
-                    f"whose save was cut short: resuming from it")
-        return path
-
-    def _load_pretrained(self, filename):
-        """A stock (consolidated) checkpoint or Hugging Face NLLB weights for fine-tuning
-        (--finetune-from-model): rank 0 reads it memory-mapped and broadcasts one tensor at a
-        time; every rank keeps only its shards, so no rank but 0 ever holds the full model.
-        Training starts fresh (the optimizer, lr scheduler, meters and data loader are reset,
-        as fairseq does)."""
-        self._memory.reset()
-        before = current_gb(self.device)
-        full, problem = None, None
-        if self.data_parallel_rank == 0:
-            try:
-                full = self._pretrained_weights(filename)
-            except CheckpointError as e:  # told to every rank by the broadcast
-                problem = str(e)
-        broadcast_full_model(self.model, full, filename, problem)
-        self._weights_loaded = True
-        del full
-        ranks = self._memory.gather({"before_gb": before,
-                                     "startup_gb": self._memory.startup_peak_gb})
-        logger.info(f"loaded pretrained weights from {filename}; memory per rank before -> peak "
-                    f"during the load (GB): " + ", ".join(
-                        f"{r['before_gb']:.3f} -> {r['peak_gb']:.3f}" for r in ranks) +
-                    "; peak while building the model: " + ", ".join(
-                        f"{r['startup_gb']:.3f}" for r in ranks))
-        return None
-
-    def _pretrained_weights(self, filename):
-        """Rank 0: the full model's tensors by fairseq name, memory-mapped."""
-        if hf_nllb.is_hf_source(filename):
-            shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
-            return hf_nllb.open_checked(filename, self.cfg.model, shapes,
-                                        self.task.source_dictionary.symbols)
-        return read_checkpoint_file(filename)["model"]
-
-    def _load_sharded_model(self, module, state_dict, prefix, *_):
-        if prefix or sharded.SHARDED not in state_dict:
-            return
-        sharded.load_model(module, sharded.resolve(self._loading_from,
-                                                   state_dict[sharded.SHARDED]))
-        state_dict.clear()
-        state_dict.update(module.state_dict())
-
-    def _load_sharded_optimizer(self, optimizer, state_dict):
-        if sharded.SHARDED not in state_dict:
-            return None
-        sharded.load_optimizer(self.model, optimizer, sharded.resolve(
-            self._loading_from, state_dict[sharded.SHARDED]))
-        return optimizer.state_dict()
-
-
-def _save_error(error: BaseException) -> str:
-    """What a failed save reports; for DCP's CheckpointException, which wraps each rank's
-    failure, the first failing rank's error."""
-    if isinstance(error, CheckpointException) and error.failures:
-        rank, (cause, _) = min(error.failures.items())
-        return f"{first_line(cause, 300)} (rank {rank}'s write)"
-    return first_line(error, 300)
 
 
 def _in_context(error: BaseException, kind: type):

@@ -55,26 +55,23 @@ def test_resume_from_update_2_matches_uninterrupted(saved_run, world, update_fre
         assert printed_close(summary[key], expected[key], FP32_REORDERED if world != 2 else 0), key
 
 
-def test_fp16_resume_restores_the_loss_scale_and_every_update(corpus, tmp_path):
+def test_fp16_resume_is_exact_loss_scale_included(corpus, tmp_path):
     """--fp16 (fairseq's loss-scaling wrapper around the optimizer): resumed from update 3's
-    save at the same world size, every update's loss and gradient norm are the uninterrupted
-    run's, bit for bit, and training goes on from the saved loss scale (doubled from 128 every
-    2 updates without overflow; a resume that lost it would print 128 again). fairseq saves
-    the scale alone, not its scaler's count of updates since the last change: the next
-    doubling comes 2 updates after the resume, as in stock fairseq."""
+    save at the same world size, every update is the uninterrupted run's, bit for bit, the
+    loss scale too: doubled from 128 every 2 updates without overflow (--fp16-scale-window 2),
+    it doubles at the same updates only if the scaler's place in its window was saved with it
+    (stock fairseq saves the scale alone: its resumed run doubles one update later)."""
     from conftest import train_args_for
     fp16 = [*FSDP2, "--fp16", "--fp16-init-scale", 128, "--fp16-scale-window", 2,
             "--save-interval-updates", 3]
     keys = ("loss", "gnorm", "loss_scale")
     full = per_update(ok(run_ranks(2, lambda r: train_args_for(
         corpus, tmp_path / "run", *fp16, save=True, updates=6))), keys)
-    assert sorted(full) == list(range(1, 7)) and float(full[3][2]) > 128, full
+    assert sorted(full) == list(range(1, 7)) and len({v[2] for v in full.values()}) > 2, full
     resumed = per_update(ok(run_ranks(2, lambda r: train_args_for(
         corpus, tmp_path / "resumed", *fp16, "--restore-file", tmp_path / "run" /
         "checkpoint_1_3.pt", updates=6))), keys)
-    assert sorted(resumed) == [4, 5, 6]
-    assert {n: v[:2] for n, v in resumed.items()} == {n: full[n][:2] for n in resumed}
-    assert resumed[4][2] == full[3][2], (resumed, full)
+    assert resumed == {n: full[n] for n in (4, 5, 6)}, (resumed, full)
 
 
 def test_saves_are_sharded_one_file_per_rank(saved_run):

@@ -29,6 +29,7 @@ import fairseq_fsdp2  # noqa: F401  (registers the backend, options, archs and c
 from fairseq import options, tasks
 from fairseq.data import Dictionary
 
+from . import preflight
 from .memory.estimate import (
     CPU_BASELINE_GB,
     GIB,
@@ -40,7 +41,6 @@ from .memory.estimate import (
     estimate,
     workload_for,
 )
-from . import preflight
 from .options import FSDP2_BACKEND, LEGACY_FSDP_BACKEND, tied_grad_buffer
 
 DEFAULT_SEQ_LEN = 128

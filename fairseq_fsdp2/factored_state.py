@@ -30,6 +30,13 @@ FACTORED = frozenset({("fairseq.optim.adafactor", "Adafactor")})
 REDUCED_DIM = {"exp_avg_sq_row": -1, "exp_avg_sq_col": -2}
 
 
+def reduced_shape(shape: Sequence[int], dim: int) -> list[int]:
+    """The shape of a mean over ``dim`` of a tensor of ``shape``."""
+    out = list(shape)
+    del out[dim]
+    return out
+
+
 def reduced_placements(placements: Sequence[Placement], ndim: int,
                        dim: int) -> list[Placement]:
     """Placements of a mean over ``dim`` of a DTensor with ``placements`` and ``ndim``
@@ -52,11 +59,7 @@ def state_placements(key: str, value: torch.Tensor,
     """The placements of a full (unsharded) Adafactor statistic ``value`` stored under ``key``
     for ``param``, or None if it is not one."""
     dim = REDUCED_DIM.get(key)
-    if dim is None or param.dim() < 2:
-        return None
-    shape = list(param.shape)
-    del shape[dim]
-    if list(value.shape) != shape:
+    if dim is None or param.dim() < 2 or list(value.shape) != reduced_shape(param.shape, dim):
         return None
     return reduced_placements(param.placements, param.dim(), dim)
 
@@ -83,10 +86,8 @@ def initial_state(p: DTensor, use_first_moment: bool) -> dict:
     if use_first_moment:
         state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
     for key, dim in REDUCED_DIM.items():
-        shape = list(p.shape)
-        del shape[dim]
         # each rank makes its own part of the zeros: nothing is sent (src_data_rank=None)
-        state[key] = distribute_tensor(torch.zeros(shape), p.device_mesh,
+        state[key] = distribute_tensor(torch.zeros(reduced_shape(p.shape, dim)), p.device_mesh,
                                        reduced_placements(p.placements, p.dim(), dim),
                                        src_data_rank=None)
     return state

@@ -67,4 +67,3 @@ def simulate_ddp(profile: ModelProfile, setup: Setup) -> _Ledger:
     largest = max(math.prod(s) for u in profile.units for s in u.shapes)
     led.moment("optimizer step", optim=largest * 4)
     return led
-

@@ -9,8 +9,7 @@ test-only transformers on its path (never in the pytest process or the fairseq r
         load MODEL_DIR with from_pretrained and compute, in eval mode:
         - ``logits`` of ``src`` (left-padded with 1) / ``prev`` (decoder input) token ids;
         - greedy ``generate`` of each ``gen_src`` sentence (forced first token: the target
-          language, as NLLB does), its tokens and the smallest gap between the best and the
-          second-best logit over the steps (how far from a tie each greedy choice was);
+          language, as NLLB does): its tokens;
         - the tokenizer's ids of ``texts`` (source side, ``src_lang``) and its whole
           vocabulary (token -> id), when it has one.
 """
@@ -29,20 +28,11 @@ def compute(model, tokenizer, request: dict) -> dict:
         out = model(input_ids=src, attention_mask=src.ne(1).long(),
                     decoder_input_ids=torch.tensor(request["prev"]))
     result["logits"] = out.logits.tolist()
-    generated, gaps, largest = [], [], 0.0
-    for ids in request["gen_src"]:
-        out = model.generate(torch.tensor([ids]), num_beams=1, do_sample=False,
-                             forced_bos_token_id=request["tgt_lang_id"],
-                             max_new_tokens=request["max_new_tokens"],
-                             output_scores=True, return_dict_in_generate=True)
-        tokens = out.sequences[0].tolist()
-        generated.append(tokens)
-        for step in out.scores[1:]:  # the first step is forced
-            top = step[0].topk(2).values
-            gaps.append(float(top[0] - top[1]))
-            largest = max(largest, float(step[0][step[0].isfinite()].abs().max()))
-    result["generated"] = generated
-    result["min_gap"], result["max_logit"] = min(gaps, default=None), largest
+    result["generated"] = [
+        model.generate(torch.tensor([ids]), num_beams=1, do_sample=False,
+                       forced_bos_token_id=request["tgt_lang_id"],
+                       max_new_tokens=request["max_new_tokens"])[0].tolist()
+        for ids in request["gen_src"]]
     if tokenizer is not None:
         tokenizer.src_lang = request["src_lang"]
         result["text_ids"] = [tokenizer(t).input_ids for t in request["texts"]]

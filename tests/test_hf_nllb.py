@@ -129,6 +129,32 @@ def assert_logits_close(ours: torch.Tensor, theirs) -> None:
     assert (ours - theirs).abs().max().item() <= tol
 
 
+def greedy_gaps(model, src: list[int], tokens: list[int]) -> list[float]:
+    """For each of fairseq's greedy ``tokens`` (language first), how far its choice was from a
+    tie: the best minus the second-best logit there, in units of the logit tolerance (pad
+    excluded: fairseq's generator never picks it)."""
+    prev = torch.tensor([[2] + tokens[:-1]])  # fairseq's decoder starts from </s>
+    logits = fairseq_logits(model, {"src": [src], "prev": prev.tolist()})[0]
+    tol = LOGIT_RTOL * max(1.0, logits.abs().max().item())
+    logits[:, 1] = -torch.inf
+    top = logits.topk(2, dim=-1).values
+    return ((top[:, 0] - top[:, 1]) / tol).tolist()
+
+
+def assert_same_greedy_choices(theirs: list, ours: list, gaps: list[float], sentence: int) -> None:
+    """Two greedy decodings whose logits agree within the tolerance (assert_logits_close) choose
+    alike at every step, except where fairseq's best and second-best logits are within twice
+    the tolerance of each other (each may move by it): there rounding alone can flip the choice,
+    and after it the two continue from different contexts. So the sequences are equal, or they
+    first differ at such a near-tie, and nothing after it is compared. How close a greedy step
+    comes to a tie depends on the trained weights, so on the CPU's kernels: a gap of 0.3 tol was
+    seen once, on an AMD EPYC, in 10 fine-tuned updates."""
+    k = next((k for k, (a, b) in enumerate(zip(theirs, ours)) if a != b), None)
+    if k is None and len(theirs) != len(ours):
+        k = min(len(theirs), len(ours))
+    assert k is None or gaps[k] <= 2, (sentence, k, theirs, ours, gaps)
+
+
 # --- the dictionary ---------------------------------------------------------------------------
 
 def test_every_dictionary_entry_is_on_the_hf_tokenizer_row(hub):
@@ -323,9 +349,6 @@ def test_export_loads_in_transformers_and_matches_fairseq(hub, finetuned, tmp_pa
     result = json.loads((tmp_path / "result.json").read_text())
 
     assert_logits_close(fairseq_logits(model, request), result["logits"])
-    # no greedy choice was near a tie, so float differences (within tol, either side) cannot
-    # have flipped one
-    assert result["min_gap"] > 2 * LOGIT_RTOL * max(1.0, result["max_logit"])
     printed = {int(m[1]): m[2] for m in re.finditer(r"^H-(\d+)\t\S+\t(.*)$", generated, re.M)}
     assert len(printed) == len(sources)
     generator = task.build_generator([model], cfg.generation)
@@ -334,15 +357,16 @@ def test_export_loads_in_transformers_and_matches_fairseq(hub, finetuned, tmp_pa
         sample = {"net_input": {"src_tokens": torch.tensor([src]),
                                 "src_lengths": torch.tensor([len(src)])}}
         ours = task.inference_step(generator, [model], sample)[0][0]["tokens"].tolist()
+        gaps = greedy_gaps(model, src, ours)
         # HF: decoder start </s>, forced language, tokens (to max_new_tokens); fairseq:
         # language (the prefix), tokens, </s> (forced after MAX_LEN tokens)
         assert theirs[0] == 2 and ours[0] == theirs[1] == request["tgt_lang_id"]
-        if len(ours) <= MAX_LEN:  # ended by itself
-            assert theirs[1:len(ours) + 1] == ours, (i, theirs, ours)
-        else:
-            assert theirs[1:MAX_LEN + 1] == ours[:MAX_LEN], (i, theirs, ours)
-        # and stock fairseq-generate printed the same (without language tokens, fairseq's way)
-        assert printed[i] == d.string(torch.tensor(ours), extra_symbols_to_ignore=
-                                      generator.symbols_to_strip_from_output), (i, printed[i])
+        n = len(ours) if len(ours) <= MAX_LEN else MAX_LEN  # else: forced to end
+        assert_same_greedy_choices(theirs[1:n + 1], ours[:n], gaps, i)
+        # and stock fairseq-generate printed the same (without language tokens, fairseq's way;
+        # its batch of 64 rounds differently from one sentence: the same near-tie rule)
+        shown = d.string(torch.tensor(ours),
+                         extra_symbols_to_ignore=generator.symbols_to_strip_from_output)
+        assert_same_greedy_choices(printed[i].split(), shown.split(), gaps[1:], i)
         distinct.add(tuple(ours))
     assert len(distinct) > 5  # the outputs depend on the source

@@ -8,7 +8,10 @@ py="${PYTHON:-python3}"
 stamp="$venv/.fairseq_fsdp2-setup"
 want="$(cat "$root/requirements.txt" "$root/requirements-fairseq.txt" "$root/requirements-dev.txt" "$root/pyproject.toml" "$root/scripts/setup.sh" | sha256sum | cut -d' ' -f1)"
 
-if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && "$venv/bin/python" -c "import fairseq, fairseq_fsdp2" 2>/dev/null; then
+# both packages still found (not imported: importing fairseq and torch takes 8 CPU-s on some
+# of our CPUs, on every launch of the scripts that call this)
+found='import importlib.util as u, sys; sys.exit(not (u.find_spec("fairseq") and u.find_spec("fairseq_fsdp2")))'
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && "$venv/bin/python" -c "$found" 2>/dev/null; then
   exit 0
 fi
 

@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from conftest import PLUGIN, TESTS
-from launcher import base_env, finish_ranks, ok, start_ranks, train_inner
+from launcher import base_env, finish_ranks, ok, start_command, start_ranks, train_inner
 
 from fairseq_fsdp2.checkpoint import hf_nllb
 from fairseq_fsdp2.checkpoint.consolidate import main as consolidate_main
@@ -336,16 +336,16 @@ def test_export_loads_in_transformers_and_matches_fairseq(hub, finetuned, tmp_pa
                    max_new_tokens=MAX_LEN + 1)
     (tmp_path / "request.json").write_text(json.dumps(request))
     hf = reference("check", out, tmp_path / "request.json", tmp_path / "result.json")
-    gen = subprocess.Popen(
-        [sys.executable, "-m", "fairseq_cli.generate", str(hub.data), "--path", str(consolidated),
-         *task_flags(hub.data), "--source-lang", PAIR[0], "--target-lang", PAIR[1],
-         "--gen-subset", "test", "--beam", "1", "--max-len-a", "0", "--max-len-b", str(MAX_LEN),
-         "--batch-size", "64", "--required-batch-size-multiple", "1", "--cpu",
-         "--num-workers", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base_env())
+    # stock fairseq-generate (a process that never imports the plugin), beside transformers
+    gen = start_command(
+        "fairseq_cli.generate", hub.data, "--path", consolidated, *task_flags(hub.data),
+        "--source-lang", PAIR[0], "--target-lang", PAIR[1], "--gen-subset", "test",
+        "--beam", "1", "--max-len-a", "0", "--max-len-b", MAX_LEN, "--batch-size", "64",
+        "--required-batch-size-multiple", "1", "--cpu", "--num-workers", "0")
     finish(hf)
-    generated, errors = gen.communicate(timeout=240)
-    assert gen.returncode == 0, errors[-3000:]
+    (generate,) = finish_ranks([gen], timeout=240)
+    generated = generate.output
+    assert generate.returncode == 0 and "fairseq_fsdp2" not in generated, generated[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
 
     assert_logits_close(fairseq_logits(model, request), result["logits"])

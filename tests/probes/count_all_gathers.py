@@ -1,8 +1,10 @@
 """fairseq-train (with the plugin) that counts FSDP2's all-gathers of one update: test code.
 
-``COUNT_UPDATE=N`` (default 2): update N runs under ``torch.profiler`` (public API; FSDP2 labels
-each all-gather ``FSDP::all_gather (<unit's modules>)``); every rank prints one line
-``all-gathers of update N: {"<unit's modules>": count, ...}``. Updates other than N are untouched.
+``COUNT_UPDATE=N`` (default 2): on rank 0, update N runs under ``torch.profiler`` (public API;
+FSDP2 labels each all-gather ``FSDP::all_gather (<unit's modules>)``) and rank 0 prints one line
+``all-gathers of update N: {"<unit's modules>": count, ...}``. Updates other than N, and the other
+ranks, are untouched: an all-gather is a collective, so every rank runs the same ones (a rank
+that ran another would stop the run), and the profiler costs each rank it runs on about 1 CPU-s.
 """
 import json
 import os
@@ -20,7 +22,7 @@ def install() -> None:
     real_train_step = Trainer.train_step
 
     def train_step(self, samples, raise_oom=False):
-        if self.get_num_updates() + 1 != update:
+        if self.get_num_updates() + 1 != update or os.environ.get("RANK", "0") != "0":
             return real_train_step(self, samples, raise_oom)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             out = real_train_step(self, samples, raise_oom)

@@ -133,8 +133,8 @@ def greedy_gaps(model, src: list[int], tokens: list[int]) -> list[float]:
     """For each of fairseq's greedy ``tokens`` (language first), how far its choice was from a
     tie: the best minus the second-best logit there, in units of the logit tolerance (pad
     excluded: fairseq's generator never picks it)."""
-    prev = torch.tensor([[2] + tokens[:-1]])  # fairseq's decoder starts from </s>
-    logits = fairseq_logits(model, {"src": [src], "prev": prev.tolist()})[0]
+    prev = [[2] + tokens[:-1]]  # fairseq's decoder starts from </s>
+    logits = fairseq_logits(model, {"src": [src], "prev": prev})[0]
     tol = LOGIT_RTOL * max(1.0, logits.abs().max().item())
     logits[:, 1] = -torch.inf
     top = logits.topk(2, dim=-1).values

@@ -17,12 +17,14 @@ update = int(os.environ.get("COUNT_UPDATE", "2"))
 
 
 def install() -> None:
+    if os.environ.get("RANK", "0") != "0":
+        return
     from fairseq.trainer import Trainer
 
     real_train_step = Trainer.train_step
 
     def train_step(self, samples, raise_oom=False):
-        if self.get_num_updates() + 1 != update or os.environ.get("RANK", "0") != "0":
+        if self.get_num_updates() + 1 != update:
             return real_train_step(self, samples, raise_oom)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             out = real_train_step(self, samples, raise_oom)

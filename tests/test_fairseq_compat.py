@@ -329,7 +329,11 @@ def from_stock(validation):
     - ``restore``: --restore-file with --reset-lr-scheduler --reset-meters --reset-dataloader
       and --optimizer-overrides (the stock optimizer state is resharded into FSDP2's). The
       override is Adam's eps, raised enough to shrink the updates visibly: an lr override
-      would be replaced by the lr scheduler's value at every update, in both backends."""
+      would be replaced by the lr scheduler's value at every update, in both backends;
+    - ``reset``: --restore-file with --reset-optimizer --reset-lr-scheduler --reset-meters, the
+      data loader kept: the classic fine-tuning command line. The weights are broadcast from
+      rank 0 (no rank but 0 holds the full model); training continues from update 1 in the
+      epoch after the checkpoint's, as stock fairseq does."""
     best = validation.save_dir("stock") / "checkpoint_best.pt"
     trained = torch.load(best, weights_only=True)["optimizer_history"][-1]["num_updates"]
     runs = {}
@@ -338,7 +342,9 @@ def from_stock(validation):
                           "--log-format", "tqdm"], 1),  # tqdm: without --no-progress-bar
             ("restore", ["--restore-file", best, "--reset-lr-scheduler", "--reset-meters",
                          "--reset-dataloader", "--optimizer-overrides", "{'eps': 0.1}",
-                         "--max-update", trained + 3], trained + 1)):
+                         "--max-update", trained + 3], trained + 1),
+            ("reset", ["--restore-file", best, "--reset-optimizer", "--reset-lr-scheduler",
+                       "--reset-meters", "--max-update", 3], 1)):
         for backend in ("fsdp2", "stock"):
             runs[kind, backend] = validation.run(f"{kind}-{backend}", *extra, "--no-save",
                                                  "--disable-validation", backend=backend,
@@ -347,13 +353,17 @@ def from_stock(validation):
     return runs
 
 
-@pytest.mark.parametrize("kind", ["finetune", "restore"])
+@pytest.mark.parametrize("kind", ["finetune", "restore", "reset"])
 def test_starting_from_a_stock_eval_bleu_checkpoint_as_stock(from_stock, kind):
-    """--finetune-from-model, or --restore-file with the stock optimizer state resharded and
-    --reset-lr-scheduler --reset-meters --reset-dataloader --optimizer-overrides, from a stock
-    checkpoint holding numpy: the same updates as stock fairseq from the same file."""
+    """--finetune-from-model, --restore-file with the stock optimizer state resharded and
+    --reset-lr-scheduler --reset-meters --reset-dataloader --optimizer-overrides, or
+    --restore-file with --reset-optimizer --reset-lr-scheduler --reset-meters (the data
+    loader's position kept), from a stock checkpoint holding numpy: the same updates as stock
+    fairseq from the same file."""
     ours, stock = from_stock[kind, "fsdp2"], from_stock[kind, "stock"]
     first = from_stock[kind, "first"]
+    # with the optimizer reset, the weights come broadcast from rank 0 (no full copy per rank)
+    assert ("loaded pretrained weights from" in ours) == (kind != "restore")
     if kind == "finetune":  # --log-format tqdm: no per-update lines; the epoch's averages
         a, b = summary(ours), summary(stock)
         assert a["train_num_updates"] == b["train_num_updates"] == "3", (a, b)

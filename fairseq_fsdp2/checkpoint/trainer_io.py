@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -112,10 +113,13 @@ class TrainerCheckpoints:
                 saved = {k: tuple(v.shape) for k, v in state["model"].items()
                          if torch.is_tensor(v)}
             sharded.check_model_matches(self.model, saved, filename)
-            del state
             if info is None and reset_optimizer and reset_lr_scheduler and reset_meters \
                     and self.data_parallel_world_size > 1:
-                return self._load_pretrained(filename)
+                kept = {k: state.get(k) for k in ("optimizer_history", "extra_state")}
+                del state  # the weights: read again by rank 0 only, one tensor at a time
+                self._load_pretrained(filename)
+                return self._reset_extra_state(kept)
+            del state
         self._loading_from = filename
         try:
             extra_state = super().load_checkpoint(filename, reset_optimizer, reset_lr_scheduler,
@@ -128,6 +132,24 @@ class TrainerCheckpoints:
                                              self.data_parallel_world_size)
         if extra_state is not None and not (reset_optimizer or reset_meters):
             resume.restore_patience(extra_state)  # as fairseq restores the best score
+        return extra_state
+
+    def _reset_extra_state(self, state: dict):
+        """What fairseq's Trainer does with a checkpoint's extra state when the optimizer, lr
+        scheduler and meters are reset (weights loaded): the model learns the saved update
+        count, the lr scheduler the epoch, and the state goes back to fairseq, which restores
+        the data loader's position from it unless --reset-dataloader (the epoch after the
+        checkpoint's; --finetune-from-model resets it)."""
+        history = state.get("optimizer_history") or [{}]
+        if "num_updates" in history[-1]:
+            self.model.set_num_updates(history[-1]["num_updates"])
+        extra_state = state.get("extra_state")
+        if extra_state is None:
+            return None
+        if "previous_training_time" in extra_state:
+            self._previous_training_time = extra_state["previous_training_time"]
+            self._start_time = time.time()
+        self.lr_step(extra_state["train_iterator"]["epoch"])
         return extra_state
 
     def _newest_complete(self, filename: str) -> str:

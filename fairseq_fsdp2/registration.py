@@ -10,6 +10,7 @@ import functools
 import os
 import sys
 
+import fairseq.checkpoint_utils
 import fairseq.distributed.utils as fairseq_distributed_utils
 import fairseq.file_io
 import fairseq.options
@@ -19,6 +20,7 @@ from fairseq.dataclass import configs as fairseq_configs
 from fairseq.dataclass.initialize import hydra_init
 
 from . import launch, meta_init
+from .checkpoint.consolidate import read_with_full_weights
 from .checkpoint.safe_load import allow_fairseq_checkpoint_classes
 from .options import FSDP2DistributedTrainingConfig
 from .trainer import select_trainer
@@ -78,6 +80,15 @@ def install() -> None:
     #    leaves a truncated file where the previous good one was. Copy to a temp name and rename.
     fairseq.file_io.PathManager.copy = staticmethod(
         functools.partial(_atomic_copy, fairseq.file_io.PathManager.copy))
+
+    # 8. Reading for inference: fairseq-generate, -validate, -interactive and fairseq's other
+    #    readers of a checkpoint file go through load_checkpoint_to_cpu; an FSDP2 checkpoint's
+    #    model entry only references its shard directory, which they cannot load ("Unexpected
+    #    key(s) in state_dict: fsdp2_sharded"). Outside the FSDP2 trainer, which reads its own
+    #    shards, give them the full weights read from that directory.
+    fairseq.checkpoint_utils.load_checkpoint_to_cpu = functools.wraps(
+        fairseq.checkpoint_utils.load_checkpoint_to_cpu)(functools.partial(
+            read_with_full_weights, fairseq.checkpoint_utils.load_checkpoint_to_cpu))
 
 
 def _meta_aware(fairseq_build_model):

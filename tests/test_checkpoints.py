@@ -176,6 +176,11 @@ def test_consolidated_export_equals_stock_ddp_and_stock_generate_reads_it(saved_
     # fairseq's own DDP checkpoint holds an argparse.Namespace, which torch >= 2.6 refuses to
     # unpickle by default: read it with the plugin's allow-list (generation stays stock)
     assert hyps == generate(ddp_dir / "checkpoint_last.pt", "--user-dir", str(REPO / "fairseq_fsdp2"))[0]
+    # with the plugin, fairseq-generate reads the sharded checkpoint itself (its full weights
+    # from the shard directory, registration.py's patch 8): the export's translations
+    sharded, _ = generate(root / "run" / "checkpoint_last.pt", "--user-dir",
+                          str(REPO / "fairseq_fsdp2"))
+    assert sharded == hyps
 
     # the command gives the same file
     cli = tmp_path / "cli.pt"

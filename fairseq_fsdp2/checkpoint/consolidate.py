@@ -69,6 +69,18 @@ def _write(state: dict, model: dict, out: str) -> str:
     return out
 
 
+def read_with_full_weights(read, path, *args, **kwargs) -> dict:
+    """Stand-in for fairseq's ``checkpoint_utils.load_checkpoint_to_cpu`` (registration.py),
+    ``read`` being fairseq's: a sharded FSDP2 checkpoint read by anything but the FSDP2
+    trainer (fairseq-generate, -validate, -interactive, --load-pretrained-encoder-from, the
+    hub interface) gets the full weights, read from its shard directory in this process as
+    the consolidated export reads them, where fairseq would find only the reference."""
+    state = read(path, *args, **kwargs)
+    if sharded.is_sharded(state.get("model")) and not sharded.is_trainer_loading():
+        state["model"] = _fsdp2_model(path, state)
+    return state
+
+
 def _fsdp2_model(checkpoint: str, state: dict) -> dict:
     info = state.get("fsdp2")
     if not isinstance(info, dict):

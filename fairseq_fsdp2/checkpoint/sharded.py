@@ -13,6 +13,8 @@ of that name intact. DCP reshards on load, so a checkpoint saved at N ranks resu
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import re
 import secrets
@@ -38,10 +40,26 @@ DEFAULT_RESTORE_FILE = "checkpoint_last.pt"
 #: 2: a tied weight's shards are stored once, under its canonical name (1 stored them under
 #: every alias: NLLB's embedding 3 times, +2.1 GB per NLLB-600M checkpoint). Both load.
 FORMAT_VERSION = 2
+#: True while the FSDP2 trainer loads a checkpoint (trainer_io.py): it reads the shards
+#: itself, each rank its own part; any other reader gets the full weights (consolidate.py).
+_trainer_loading = contextvars.ContextVar("fsdp2_trainer_loading", default=False)
 
 
 def is_sharded(state: dict) -> bool:
     return isinstance(state, dict) and SHARDED in state
+
+
+@contextlib.contextmanager
+def trainer_loading():
+    token = _trainer_loading.set(True)
+    try:
+        yield
+    finally:
+        _trainer_loading.reset(token)
+
+
+def is_trainer_loading() -> bool:
+    return _trainer_loading.get()
 
 
 def save(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], save_dir: str,

@@ -122,8 +122,10 @@ class TrainerCheckpoints:
             del state
         self._loading_from = filename
         try:
-            extra_state = super().load_checkpoint(filename, reset_optimizer, reset_lr_scheduler,
-                                                  optimizer_overrides, reset_meters)
+            with sharded.trainer_loading():  # the shards: each rank reads its own
+                extra_state = super().load_checkpoint(filename, reset_optimizer,
+                                                      reset_lr_scheduler, optimizer_overrides,
+                                                      reset_meters)
         finally:
             self._loading_from = None
         self._weights_loaded = self._weights_loaded or os.path.isfile(filename)

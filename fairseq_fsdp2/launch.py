@@ -109,6 +109,7 @@ def prepare(cfg) -> bool:
                     "fairscale is not used")
         dt.ddp_backend = FSDP2_BACKEND
     if dt.ddp_backend != FSDP2_BACKEND:
+        preflight.check_other_backend_restore(cfg)
         return False
     if cfg.common.tpu:
         if not cfg.common.bf16:
@@ -273,11 +274,13 @@ def _stop(message: str, status: int) -> None:
 def _remove_if_created_empty(save_dir: str, existed: bool) -> None:
     """Bad input writes nothing: fairseq creates --save-dir early (to check it is writable);
     remove it again if this run created it and it is still empty."""
-    if not existed and os.path.isdir(save_dir) and not os.listdir(save_dir):
-        try:
+    if existed:
+        return
+    try:  # every rank tries; another may remove it between any two of these calls
+        if not os.listdir(save_dir):
             os.rmdir(save_dir)
-        except OSError:
-            pass  # another rank removed it first
+    except OSError:
+        pass  # gone already, or not empty (rmdir refuses): nothing of this run's to remove
 
 
 def _run_exit_handlers() -> None:

@@ -13,8 +13,10 @@ from typing import Optional
 
 import torch
 
+from .checkpoint import sharded
 from .checkpoint.hf_nllb import INDEX, WEIGHTS, is_hf_source
-from .errors import OptionError, first_line
+from .checkpoint.safe_load import read_checkpoint_file
+from .errors import CheckpointError, OptionError, first_line
 
 
 def check_launch(cfg, *, launched_per_rank: bool, on_cuda: bool) -> None:
@@ -57,3 +59,30 @@ def data_error(error: BaseException, data: Optional[str]) -> Optional[str]:
     if "Could not infer language pair" in text:
         return f"data in {data} holds no language pair fairseq can infer: {hint}"
     return None
+
+
+def check_other_backend_restore(cfg) -> None:
+    """A run of another backend (legacy_ddp, ...) resuming an FSDP2 checkpoint with its
+    optimizer state: fairseq gets the full weights (registration.py's patch 8), but the
+    optimizer state is FSDP2's shards, which fairseq's optimizers cannot load (it would stop
+    with ``KeyError: 'param_groups'`` after building everything)."""
+    ckpt = cfg.checkpoint
+    if ckpt.reset_optimizer:
+        return
+    path = ckpt.restore_file  # fairseq-train's resolution of the file it resumes
+    if path == sharded.DEFAULT_RESTORE_FILE:
+        path = os.path.join(ckpt.save_dir, f"checkpoint_last{ckpt.checkpoint_suffix}.pt")
+    elif ckpt.checkpoint_suffix:
+        path = path.replace(".pt", f"{ckpt.checkpoint_suffix}.pt")
+    if not os.path.isfile(path):
+        return
+    try:
+        saved_by_fsdp2 = "fsdp2" in read_checkpoint_file(path)  # memory-mapped: a cheap look
+    except CheckpointError:
+        return  # not ours to judge: fairseq reads it (and says what is wrong)
+    if saved_by_fsdp2:
+        raise OptionError(
+            f"{path} is an FSDP2 checkpoint: its optimizer state is in shards that "
+            f"--ddp-backend {cfg.distributed_training.ddp_backend} cannot load; resume it with "
+            f"--ddp-backend fsdp2, or add --reset-optimizer to go on from its weights with a "
+            f"new optimizer")

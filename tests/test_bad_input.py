@@ -163,6 +163,11 @@ CATALOGUE = {
         (3, ["--restore-file", "{good}"], "cannot resume mid-epoch at 3 ranks: the checkpoint "
                                           "(saved at 1 ranks) is 2 batches into the epoch, not "
                                           "a multiple of 3")],
+    "an FSDP2 checkpoint resumed by another backend (`--ddp-backend legacy_ddp`, ...) with its "
+    "optimizer state": [
+        (1, ["--restore-file", "{good}", "--ddp-backend", "legacy_ddp"],
+         "{good} is an FSDP2 checkpoint: its optimizer state is in shards that --ddp-backend "
+         "legacy_ddp cannot load; resume it with --ddp-backend fsdp2, or add --reset-optimizer")],
     "a checkpoint of another model config": [
         (1, ["--restore-file", "{good}", "--encoder-ffn-embed-dim", "48"],
          "{good} does not fit this model: encoder.layers.0.fc1.bias checkpoint (64,) vs "

@@ -333,7 +333,8 @@ def from_stock(validation):
     - ``reset``: --restore-file with --reset-optimizer --reset-lr-scheduler --reset-meters, the
       data loader kept: the classic fine-tuning command line. The weights are broadcast from
       rank 0 (no rank but 0 holds the full model); training continues from update 1 in the
-      epoch after the checkpoint's, as stock fairseq does."""
+      epoch after the checkpoint's, as stock fairseq does;
+    - ``from-fsdp2``: the same flags, from the plugin's own (sharded) checkpoint_best.pt."""
     best = validation.save_dir("stock") / "checkpoint_best.pt"
     trained = torch.load(best, weights_only=True)["optimizer_history"][-1]["num_updates"]
     runs = {}
@@ -344,7 +345,10 @@ def from_stock(validation):
                          "--reset-dataloader", "--optimizer-overrides", "{'eps': 0.1}",
                          "--max-update", trained + 3], trained + 1),
             ("reset", ["--restore-file", best, "--reset-optimizer", "--reset-lr-scheduler",
-                       "--reset-meters", "--max-update", 3], 1)):
+                       "--reset-meters", "--max-update", 3], 1),
+            ("from-fsdp2", ["--restore-file", validation.save_dir("fsdp2") / "checkpoint_best.pt",
+                            "--reset-optimizer", "--reset-lr-scheduler", "--reset-meters",
+                            "--max-update", 3], 1)):
         for backend in ("fsdp2", "stock"):
             runs[kind, backend] = validation.run(f"{kind}-{backend}", *extra, "--no-save",
                                                  "--disable-validation", backend=backend,
@@ -371,6 +375,15 @@ def test_starting_from_a_stock_eval_bleu_checkpoint_as_stock(from_stock, kind):
                              {0: (b["train_loss"], b["train_gnorm"])})
         return
     assert sorted(updates(ours)) == [first, first + 1, first + 2]
+    assert_same_training(updates(ours), updates(stock))
+
+
+def test_stock_legacy_ddp_goes_on_from_an_fsdp2_checkpoint_with_a_new_optimizer(from_stock):
+    """Back to stock DDP: legacy_ddp given the plugin's sharded checkpoint_best.pt with
+    --reset-optimizer reads its full weights (registration.py's patch 8) and makes the same
+    updates as FSDP2 from the same file. (Without --reset-optimizer: one line, README Errors.)"""
+    ours, stock = from_stock["from-fsdp2", "fsdp2"], from_stock["from-fsdp2", "stock"]
+    assert sorted(updates(stock)) == [1, 2, 3]
     assert_same_training(updates(ours), updates(stock))
 
 

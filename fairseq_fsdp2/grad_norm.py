@@ -9,6 +9,14 @@ the gradients on the CPU. Here the norm is computed with PyTorch's public
 ``get_total_norm`` / ``clip_grads_with_norm_``, which understand DTensors (each rank's partial
 norm, reduced over the shard group; HSDP's replicas counted once), and the reduction runs on the
 device the group's backend moves (NCCL: CUDA), wherever the gradients live.
+
+FSDP2's gradients (one mesh, ``Shard`` or ``Replicate`` on each of its dimensions) take a
+shorter way to the same number: each local shard's norm, their squares summed by one
+all-reduce over each sharded mesh dimension (on that device), then the norm of the per-tensor
+norms, as DTensor computes it. Through DTensor, every first call in a process paid ~60 ms of
+sharding propagation (measured on a 2-rank tiny run; the suite starts ~200 such processes), and
+with --cpu-offload its reduction ran on the CPU gradients themselves, which NCCL cannot move.
+Anything else (plain tensors, mixed meshes, partial placements) takes ``get_total_norm``.
 """
 from __future__ import annotations
 
@@ -36,6 +44,9 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     plain fp32 scalar tensor, the same on every rank."""
     if not grads:
         return torch.tensor(0.0)
+    sharded = _sharded_layout(grads)
+    if sharded is not None:
+        return _norm_of_local_shards(grads, *sharded)
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False)
     if not isinstance(norm, DTensor):
         return norm.float()
@@ -47,6 +58,31 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         norm = DTensor.from_local(local.to(device), norm.device_mesh, norm.placements,
                                   run_check=False)
     return norm.full_tensor().float()
+
+
+def _sharded_layout(grads: list[torch.Tensor]):
+    """(mesh, the mesh dimensions the tensors are sharded over) if every one of ``grads`` is a
+    DTensor on the same mesh with only Shard and Replicate placements; else None."""
+    first = grads[0]
+    if not isinstance(first, DTensor):
+        return None
+    mesh, placements = first.device_mesh, first.placements
+    if any(not isinstance(g, DTensor) or g.device_mesh is not mesh or g.placements != placements
+           for g in grads):
+        return None
+    if not all(p.is_shard() or p.is_replicate() for p in placements):
+        return None
+    return mesh, [dim for dim, p in enumerate(placements) if p.is_shard()]
+
+
+def _norm_of_local_shards(grads: list[torch.Tensor], mesh, shard_dims: list[int]) -> torch.Tensor:
+    local = [torch.linalg.vector_norm(g.to_local(), 2.0).float() for g in grads]
+    squares = torch.stack(local).square()
+    for dim in shard_dims:
+        group = mesh.get_group(dim)
+        squares = squares.to(comm_device(group))
+        dist.all_reduce(squares, group=group)
+    return torch.linalg.vector_norm(squares.sqrt(), 2.0)
 
 
 def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float,

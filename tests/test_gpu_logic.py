@@ -46,6 +46,9 @@ def test_norm_is_global_over_dtensor_grads_whatever_fairseq_helper_does(norm_rep
     # rounding, a few ulps of a value of order 10-1000
     assert r["norm"] == pytest.approx(r["expected"], rel=1e-5)
     assert not r["norm_is_dtensor"]
+    # the local shards' way (grad_norm.py) computes what DTensor's get_total_norm computes, in
+    # the same order: per-tensor norms reduced over the ranks, then their norm (bit for bit)
+    assert r["norm"] == r["dtensor_norm"], r
     # under the apex emulation fairseq's helper sees rank 0's shards only: the test bites
     assert abs(r["fairseq_norm"] - r["expected"]) > 1e-3 * r["expected"]
     # clipped gradients = the unsharded model's, clipped by torch's own clip_grad_norm_

@@ -63,10 +63,14 @@ def check(offload: bool, mesh) -> dict:
     fairseq_norm = fairseq_utils.clip_grad_norm_(params, 0)  # apex emulated: local shards
     if isinstance(fairseq_norm, DTensor):
         fairseq_norm = fairseq_norm.full_tensor()
+    # torch's own DTensor path, what the plugin's shorter way must equal (grad_norm.py)
+    through_dtensor = torch.nn.utils.get_total_norm([p.grad for p in params])
     norm = optimizer.clip_grad_norm(MAX_NORM)
     clipped = [p.grad.full_tensor() for p in params]
     return {"expected": expected.item(), "norm": norm.item(), "norm_is_dtensor":
             isinstance(norm, DTensor), "fairseq_norm": float(fairseq_norm),
+            "dtensor_norm": through_dtensor.full_tensor().item(),
+            "dtensor_norm_placements": [str(p) for p in through_dtensor.placements],
             "grad_devices": sorted({p.grad.to_local().device.type for p in params}),
             "clipped_max_diff": max((c - r.grad).abs().max().item()
                                     for c, r in zip(clipped, reference.parameters())),

@@ -17,8 +17,9 @@ On one GPU (NCCL, one rank):
 - a real torch.OutOfMemoryError from the allocator gives the one-line report.
 On two GPUs (NCCL, two ranks): torchrun against stock fairseq's own 2-GPU run; plain
 ``fairseq-train`` without torchrun (fairseq's default world size is the number of GPUs and it
-spawns one process per GPU: the plugin's spawn runs its launch path in each); the fine-tune load
-holds no full model copy on any GPU.
+spawns one process per GPU: the plugin's spawn runs its launch path in each); --cpu-offload (the
+gradient norm reduced over NCCL from CPU gradients); the fine-tune load holds no full model copy
+on any GPU.
 """
 from __future__ import annotations
 
@@ -309,6 +310,16 @@ def test_two_gpus_torchrun_equals_stock_fairseq(corpus, tmp_path, torchrun_two):
     assert "over 2 rank(s)" in torchrun_two
     assert_printed_equal(series(torchrun_two, "loss"), series(stock, "loss"))
     assert_printed_equal(series(torchrun_two, "gnorm"), series(stock, "gnorm"))
+
+
+@two_gpus
+def test_two_gpus_cpu_offload_trains_like_the_gpus(corpus, tmp_path, torchrun_two):
+    """--cpu-offload on 2 ranks: the gradient norm's all-reduce over NCCL must run on the GPU
+    though the gradients are on the CPU (grad_norm.py; one rank has no reduction to make).
+    The same fp32 arithmetic on another device, as test_cpu_offload_trains_like_the_gpu."""
+    out = ok(run(tiny(corpus, tmp_path, *FSDP2, "--cpu-offload"), gpus=2, torchrun=2))
+    assert_printed_equal(series(out, "loss"), series(torchrun_two, "loss"))
+    assert_printed_equal(series(out, "gnorm"), series(torchrun_two, "gnorm"))
 
 
 @two_gpus

@@ -41,12 +41,11 @@ def weights_will_be_loaded(cfg) -> bool:
     ckpt = cfg.checkpoint
     if ckpt.finetune_from_model:
         return True
-    if ckpt.restore_file == sharded.DEFAULT_RESTORE_FILE:
-        path = os.path.join(ckpt.save_dir, f"checkpoint_last{ckpt.checkpoint_suffix}.pt")
-        # the trainer's rule: checkpoint_last, else a newer complete update checkpoint
-        return os.path.isfile(path) or \
-            sharded.newest_complete(ckpt.save_dir, suffix=ckpt.checkpoint_suffix) is not None
-    return os.path.isfile(ckpt.restore_file)
+    if os.path.isfile(sharded.restore_path(ckpt)):
+        return True
+    # the trainer's rule: without checkpoint_last, a newer complete update checkpoint
+    return ckpt.restore_file == sharded.DEFAULT_RESTORE_FILE and \
+        sharded.newest_complete(ckpt.save_dir, suffix=ckpt.checkpoint_suffix) is not None
 
 
 def enable(on: bool) -> None:

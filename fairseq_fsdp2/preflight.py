@@ -69,11 +69,7 @@ def check_other_backend_restore(cfg) -> None:
     ckpt = cfg.checkpoint
     if ckpt.reset_optimizer:
         return
-    path = ckpt.restore_file  # fairseq-train's resolution of the file it resumes
-    if path == sharded.DEFAULT_RESTORE_FILE:
-        path = os.path.join(ckpt.save_dir, f"checkpoint_last{ckpt.checkpoint_suffix}.pt")
-    elif ckpt.checkpoint_suffix:
-        path = path.replace(".pt", f"{ckpt.checkpoint_suffix}.pt")
+    path = sharded.restore_path(ckpt)
     if not os.path.isfile(path):
         return
     try:

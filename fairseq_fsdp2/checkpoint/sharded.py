@@ -45,6 +45,15 @@ FORMAT_VERSION = 2
 _trainer_loading = contextvars.ContextVar("fsdp2_trainer_loading", default=False)
 
 
+def restore_path(ckpt) -> str:
+    """The file fairseq-train resumes from (``ckpt``: cfg.checkpoint), by fairseq's rule:
+    <save-dir>/checkpoint_last<suffix>.pt for the default --restore-file, else --restore-file
+    with --checkpoint-suffix put before its .pt."""
+    if ckpt.restore_file == DEFAULT_RESTORE_FILE:
+        return os.path.join(ckpt.save_dir, f"checkpoint_last{ckpt.checkpoint_suffix}.pt")
+    return ckpt.restore_file.replace(".pt", f"{ckpt.checkpoint_suffix}.pt")
+
+
 def is_sharded(state: dict) -> bool:
     return isinstance(state, dict) and SHARDED in state
 

@@ -5,18 +5,17 @@ Why not fairseq's ``utils.clip_grad_norm_``: it only sees tensors. With apex ins
 in GPU images) it sums ``multi_tensor_total_norm`` over each gradient's *local* shard, i.e. this
 rank's part of the norm, not the model's; without apex, on a CUDA machine it moves every
 per-tensor norm to ``cuda.current_device()``, which mixes devices once ``--cpu-offload`` keeps
-the gradients on the CPU. Here the norm is computed with PyTorch's public
-``get_total_norm`` / ``clip_grads_with_norm_``, which understand DTensors (each rank's partial
-norm, reduced over the shard group; HSDP's replicas counted once), and the reduction runs on the
-device the group's backend moves (NCCL: CUDA), wherever the gradients live.
+the gradients on the CPU.
 
-FSDP2's gradients (one mesh, ``Shard`` or ``Replicate`` on each of its dimensions) take a
-shorter way to the same number: each local shard's norm, their squares summed by one
-all-reduce over each sharded mesh dimension (on that device), then the norm of the per-tensor
-norms, as DTensor computes it. Through DTensor, every first call in a process paid ~60 ms of
-sharding propagation (measured on a 2-rank tiny run; the suite starts ~200 such processes), and
-with --cpu-offload its reduction ran on the CPU gradients themselves, which NCCL cannot move.
-Anything else (plain tensors, mixed meshes, partial placements) takes ``get_total_norm``.
+FSDP2's gradients (one mesh, ``Shard`` or ``Replicate`` on each of its dimensions): each local
+shard's norm, their squares summed by one all-reduce over each sharded mesh dimension (HSDP's
+replicas counted once) on the device the group's backend moves (NCCL: CUDA) wherever the
+gradients live, then the norm of the per-tensor norms: what PyTorch's ``get_total_norm``
+computes over the DTensors, bit for bit. Through DTensor instead, every first call in a process
+paid ~60 ms of sharding propagation (measured on a 2-rank tiny run; the suite starts ~200 such
+processes), and its reduction ran on the gradients' own device, the CPU under --cpu-offload,
+which NCCL cannot move. Anything else (plain tensors, mixed meshes, partial placements) takes
+``get_total_norm``. Clipping is PyTorch's ``clip_grads_with_norm_``.
 """
 from __future__ import annotations
 
@@ -50,8 +49,8 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False)
     if not isinstance(norm, DTensor):
         return norm.float()
-    # A DTensor norm holds this rank's part (a partial placement); full_tensor() reduces it
-    # over the mesh, so its local value must be on the device the mesh's backend moves.
+    # torch 2.13 returns it replicated (reduced already); should a release return it partial,
+    # full_tensor() reduces it over the mesh, from the device the mesh's backend moves
     local = norm.to_local()
     device = comm_device(norm.device_mesh.get_group(0))
     if local.device.type != device.type:

@@ -113,13 +113,12 @@ class TrainerCheckpoints:
                 saved = {k: tuple(v.shape) for k, v in state["model"].items()
                          if torch.is_tensor(v)}
             sharded.check_model_matches(self.model, saved, filename)
+            kept = {k: state.get(k) for k in ("optimizer_history", "extra_state")}
+            del state  # the weights: read again where needed (by rank 0 only, below)
             if info is None and reset_optimizer and reset_lr_scheduler and reset_meters \
                     and self.data_parallel_world_size > 1:
-                kept = {k: state.get(k) for k in ("optimizer_history", "extra_state")}
-                del state  # the weights: read again by rank 0 only, one tensor at a time
                 self._load_pretrained(filename)
                 return self._reset_extra_state(kept)
-            del state
         self._loading_from = filename
         try:
             with sharded.trainer_loading():  # the shards: each rank reads its own

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,31 @@ def pytest_collection_modifyitems(items) -> None:
     place = {name: i for i, name in enumerate(LONGEST_FIRST)}
     # a stable sort: each file's tests stay together and in their own order
     items.sort(key=lambda item: place.get(Path(str(item.fspath)).name, len(place)))
+
+
+#: AF_UNIX socket paths (multiprocessing's listener in pymp-*/, the fork server's) must stay
+#: under 108 bytes: a longer session directory is not used as the temporary directory.
+SHORT_TMPDIR = 60
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temporary_files_in_the_session_dir(tmp_path_factory):
+    """Every process the suite starts writes its temporary files under this session's pytest
+    directory, which pytest prunes (it keeps the last 3 sessions), instead of leaving them in
+    the system's: a DataLoader worker that passed a tensor's file descriptor (multiprocessing's
+    resource sharer) is terminated at exit before it removes its pymp-* directory, in stock
+    fairseq runs as in the plugin's (one per rank and run, measured with --ddp-backend
+    legacy_ddp too), and killed torchrun agents leave their torchelastic_* directories: about
+    130 directories per suite run otherwise."""
+    tmp = tmp_path_factory.getbasetemp() / "tmp"
+    if len(str(tmp)) > SHORT_TMPDIR:
+        yield
+        return
+    tmp.mkdir(exist_ok=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", str(tmp))  # the processes the tests start
+        patch.setattr(tempfile, "tempdir", str(tmp))  # this one's (gettempdir() caches)
+        yield
 
 
 @pytest.fixture(scope="session")

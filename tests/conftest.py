@@ -11,8 +11,6 @@ TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 sys.path.insert(0, str(TESTS))
 
-from corpus import make_corpus  # noqa: E402
-
 PLUGIN = str(REPO / "fairseq_fsdp2")
 
 #: A 2+2-layer transformer with shared embeddings: ~46k parameters, trains in seconds.
@@ -80,6 +78,10 @@ def temporary_files_in_the_session_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
+    # imported here, not at the top: corpus.py imports fairseq and torch (5 s of CPU on 2
+    # cores), which pytest-xdist's controller, loading this file before it starts the workers
+    # and running no test itself, would otherwise import while both cores wait
+    from corpus import make_corpus
     return make_corpus(tmp_path_factory.mktemp("corpus"))
 
 

@@ -1,10 +1,10 @@
 """fairseq_fsdp2: a PyTorch FSDP2 (``fully_shard``) training backend for fairseq.
 
 Load it into stock fairseq with ``fairseq-train --user-dir path/to/fairseq_fsdp2
---ddp-backend fsdp2 ...``; importing the package installs the registration (registration.py)
-and registers the NLLB architectures and the chunked-loss criteria.
+--ddp-backend fsdp2 ...``; importing the package installs the registration
+(integration/registration.py) and registers the NLLB architectures and the chunked-loss criteria.
 """
-from .registration import install
+from .integration.registration import install
 
 install()
 

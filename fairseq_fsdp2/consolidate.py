@@ -1,7 +1,46 @@
-"""``python -m fairseq_fsdp2.consolidate CHECKPOINT OUT.pt``: see checkpoint/consolidate.py."""
+"""Consolidated export: a sharded FSDP2 checkpoint, or legacy FSDP's (fairscale)
+``--use-sharded-state`` shard files, -> one stock fairseq checkpoint file (or, with ``--format
+hf``, a Hugging Face NLLB model directory).
+
+    python -m fairseq_fsdp2.consolidate CHECKPOINT OUT.pt
+
+The export itself: checkpoint/export.py.
+"""
+from __future__ import annotations
+
+import argparse
+import os
 import sys
 
-from .checkpoint.consolidate import main
+from .checkpoint.export import consolidate
+from .errors import CheckpointError
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fairseq_fsdp2.consolidate",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="a checkpoint file saved by --ddp-backend fsdp2, or "
+                        "legacy FSDP's NAME-shard0.pt (or NAME.pt) from --use-sharded-state")
+    parser.add_argument("out", help="the consolidated .pt file to write (with --format hf: the "
+                        "model directory to write; it must not exist or be empty)")
+    parser.add_argument("--format", choices=("fairseq", "hf"), default="fairseq",
+                        help="fairseq: one stock fairseq checkpoint file; hf: a Hugging Face "
+                        "NLLB model directory (config.json, model.safetensors) that "
+                        "transformers' M2M100ForConditionalGeneration.from_pretrained loads")
+    parser.add_argument("--data", help="legacy FSDP shards: the data directory, if it is no "
+                        "longer where the checkpoint's cfg says (to build the model)")
+    args = parser.parse_args(argv)
+    if os.path.abspath(args.out) == os.path.abspath(args.checkpoint):
+        print("fairseq_fsdp2: error: OUT must differ from CHECKPOINT", file=sys.stderr)
+        return 2
+    try:
+        consolidate(args.checkpoint, args.out, args.data, args.format)
+    except CheckpointError as e:
+        print(f"fairseq_fsdp2: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}")
+    return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

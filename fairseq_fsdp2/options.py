@@ -3,7 +3,8 @@
 The options live in fairseq's ``distributed_training`` group (a subclass of fairseq's
 ``DistributedTrainingConfig``), so they are kebab-case flags on the command line
 (``--fsdp2-root-reshard always``) and the same keys in hydra
-(``distributed_training.fsdp2_root_reshard=always``). ``registration.py`` installs the class.
+(``distributed_training.fsdp2_root_reshard=always``). ``integration/registration.py`` installs
+the class.
 """
 
 from dataclasses import dataclass, field
@@ -89,7 +90,7 @@ class FSDP2DistributedTrainingConfig(DistributedTrainingConfig):
     )
 
 
-def tied_grad_buffer(dt) -> bool:
+def tied_grad_buffer_on(dt) -> bool:
     """Whether the tied embedding's gradient goes into one buffer (the default)."""
     return not getattr(dt, "fsdp2_no_tied_grad_buffer", False)
 

@@ -9,7 +9,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from .memory.plot import plot_memory_log, read_memory_log
+from .memory.charts import plot_memory_log, read_memory_log
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -131,7 +131,7 @@ def worker(argv: list[str]) -> None:
     import fairseq_fsdp2  # noqa: F401  (also loaded by --user-dir)
     import fairseq_cli.train
     from fairseq.trainer import Trainer
-    from fairseq_fsdp2.memory import MemoryMonitor
+    from fairseq_fsdp2.memory.monitor import MemoryMonitor
 
     original = Trainer.train_step
 
@@ -428,10 +428,11 @@ def main() -> int:
     print(f"benchmark: {time.time() - started:.0f}s", flush=True)
 
     from fairseq_fsdp2 import estimate as estimator
-    from fairseq_fsdp2.memory.estimate import cpu_baseline_bytes
-    from fairseq_fsdp2.memory.plot import plot_benchmark
+    from fairseq_fsdp2.estimator.from_args import build_meta_model
+    from fairseq_fsdp2.estimator.peak import cpu_baseline_bytes
+    from fairseq_fsdp2.memory.charts import plot_benchmark
 
-    model = estimator.build_meta_model(estimator.parse(
+    model = build_meta_model(estimator.parse(
         train_args(data, REDUCED, CONFIGS["legacy_ddp"], args.max_tokens, 1, work)))
     params = sum(p.numel() for p in model.parameters())
     embed = model.encoder.embed_tokens.weight.numel()
@@ -443,7 +444,7 @@ def main() -> int:
         "reduce-scatters the gradients; legacy_ddp only all-reduces the gradients once per "
         "step. On gloo the plugin runs FSDP2's all-gathers as broadcasts and its "
         "reduce-scatters as in-place all-reduces (gloo's own hold temporaries as large as "
-        "their data and were slower: fairseq_fsdp2/gloo_comms.py). On CPU nothing overlaps "
+        "their data and were slower: fairseq_fsdp2/sharding/gloo_collectives.py). On CPU nothing overlaps "
         "communication with compute, so this traffic adds to the step time. The chunked loss "
         "(fused: projection, log-softmax and gradients in one pass, nothing recomputed) is "
         "faster than the stock loss, which writes and reads several tokens x vocabulary fp32 "

@@ -45,7 +45,7 @@ BEFORE = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", "--fsdp2-no-tie
 
 def floor_gb(model, world: int) -> dict:
     """The analytic floor per rank, by part (GiB)."""
-    from fairseq_fsdp2.memory.estimate import cpu_baseline_bytes
+    from fairseq_fsdp2.estimator.peak import cpu_baseline_bytes
     params = sum(p.numel() for p in model.parameters())  # tied weights counted once
     embed = model.encoder.embed_tokens.weight
     vocab = embed.size(0)
@@ -72,11 +72,12 @@ def seed_scenario(data: Path, work: Path) -> dict:
 
 def run(data: Path, work: Path, args) -> dict:
     from fairseq_fsdp2 import estimate as estimator
+    from fairseq_fsdp2.estimator import from_args
     train = bench.train_args(data, bench.NLLB_600M, recipe(args.chunk), args.max_tokens,
                              args.updates, work / "unused")
     (prediction,) = estimator.estimate_args(train + ["--world-size", str(args.ranks),
                                                      "--seq-len", str(bench.SEQ)])
-    model = estimator.build_meta_model(estimator.parse(train))
+    model = from_args.build_meta_model(estimator.parse(train))
     row = {"ranks": args.ranks, "max_tokens": args.max_tokens, "chunk": args.chunk,
            "predicted_gb": round(prediction.peak_gb, 3),
            "predicted_moment": prediction.classes[0].moment,

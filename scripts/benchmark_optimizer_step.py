@@ -1,7 +1,7 @@
 """(not a test; `.venv/bin/python scripts/benchmark_optimizer_step.py`, env TENSORS, ELEMENTS,
 STEPS) The CPU time of the optimizer's part of an update on FSDP2 parameters: fairseq's
 ``multiply_grads``, the global-norm clipping and fairseq's Adam step, done through DTensor dispatch
-(the path before local_shards.py) and on the local shards (the plugin's path), side by side in one
+(the path before optimizer/local_shard_step.py) and on the local shards (the plugin's path), side by side in one
 process, interleaved, medians.
 
 The cost measured is per tensor operation, not per element: TENSORS defaults to NLLB-600M's
@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fairseq_fsdp2 import precision  # noqa: E402
+from fairseq_fsdp2.optimizer.build import build_optimizer  # noqa: E402
 
 
 def model(tensors: int, elements: int) -> nn.Module:
@@ -40,8 +40,8 @@ def model(tensors: int, elements: int) -> nn.Module:
 def optimizer(params, dtensor_path: bool):
     adam = OmegaConf.structured(FairseqAdamConfig(_name="adam", lr=[1e-3], tpu=False))
     cfg = OmegaConf.create({"common": {"fp16": False}, "optimizer": adam})
-    # dtensor_path: what the plugin did before local_shards.py
-    return precision.build_optimizer(cfg, params, local_shards=not dtensor_path)
+    # dtensor_path: what the plugin did before local_shard_step.py
+    return build_optimizer(cfg, params, local_shards=not dtensor_path)
 
 
 def main() -> None:

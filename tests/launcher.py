@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -31,10 +32,12 @@ class RankResult:
 #: Each pytest-xdist worker takes its own block below the kernel's ephemeral range (32768 on):
 #: a port the kernel picked with bind(0) and that was closed again could be picked again for a
 #: test running at the same time in the other worker, before the first test's rank 0 binds it.
-#: Blocks apart, and ports taken in turn within a block, no two runs get the same port.
+#: Blocks apart, and ports taken in turn within a block, no two runs get the same port. Each
+#: session starts at a random place in its block: two suites run side by side on one machine
+#: (two checkouts) would otherwise hand out the same ports in the same order.
 PORT_BLOCK = 2000
 PORT_BASE = 20000
-_ports = itertools.count()
+_ports = itertools.count(random.randrange(PORT_BLOCK))
 
 
 def free_port() -> int:

@@ -63,7 +63,7 @@ def test_torchrun_without_distributed_flags(train_args, tmp_path):
     out = agent.output()
     assert agent.returncode == 0, out[-6000:]
     assert "FSDP2 sharding plan: 6 units over 2 rank(s)" in out
-    assert "gloo: FSDP2 all-gathers by broadcast" in out  # gloo_comms.py, on every CPU run
+    assert "gloo: FSDP2 all-gathers by broadcast" in out  # gloo_collectives.py, on every CPU run
     records = train_inner(out)
     assert [r["num_updates"] for r in records] == ["2", "4", "6"]
     for rec in records:
@@ -202,7 +202,8 @@ def test_memory_efficient_fp16_is_fp16():
     from fairseq import options
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-    from fairseq_fsdp2 import precision
+    from fairseq_fsdp2.optimizer import mixed_precision
+    from fairseq_fsdp2.optimizer.build import build_optimizer
 
     def cfg(flag):
         parser = options.get_training_parser()
@@ -210,12 +211,12 @@ def test_memory_efficient_fp16_is_fp16():
             "unused", "--user-dir", PLUGIN, "--arch", "transformer", "--task", "translation",
             "--ddp-backend", "fsdp2", "--cpu", "--optimizer", "adam", flag]))
     fp16, efficient = cfg("--fp16"), cfg("--memory-efficient-fp16")
-    assert precision.compute_dtype(efficient.common) is torch.float16
-    assert precision.mixed_precision_policy(efficient.common) == \
-        precision.mixed_precision_policy(fp16.common)
+    assert mixed_precision.compute_dtype(efficient.common) is torch.float16
+    assert mixed_precision.mixed_precision_policy(efficient.common) == \
+        mixed_precision.mixed_precision_policy(fp16.common)
     params = [torch.nn.Parameter(torch.zeros(2))]
     for c in (fp16, efficient):
-        assert type(precision.build_optimizer(c, params)).__name__ == \
+        assert type(build_optimizer(c, params)).__name__ == \
             "MemoryEfficientFP16Optimizer"
 
 

@@ -1,4 +1,4 @@
-"""The bad input catalogue: every row of the README's "Errors" table, run for real.
+"""The bad input catalogue: every row of the bad-input table in docs/errors.md, run for real.
 
 Each case stops before training with exactly one ``fairseq_fsdp2: error: ...`` line holding the
 documented text, no traceback, a non-zero exit, and nothing written: the --save-dir it names
@@ -17,17 +17,17 @@ import fairseq_fsdp2  # noqa: F401  (allow-lists the classes fairseq pickles for
 from conftest import PLUGIN, REPO, TINY_MODEL, TRAINING
 from launcher import run_ranks
 
-from fairseq_fsdp2.checkpoint.consolidate import consolidate
+from fairseq_fsdp2.checkpoint.export import consolidate
 
 FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", "--num-workers", "0"]
 PROBES = str(REPO / "tests" / "probes")
 HYDRA = "fairseq_fsdp2.hydra_train"
 
 
-def readme_rows() -> list[str]:
-    """The first column of the README's Errors table."""
-    text = (REPO / "README.md").read_text()
-    section = text.split("\n## Errors\n", 1)[1]
+def catalogue_rows() -> list[str]:
+    """The first column of the bad-input table in docs/errors.md."""
+    text = (REPO / "docs" / "errors.md").read_text()
+    section = text.split("\n## Bad input\n", 1)[1]
     table = section[section.index("\n| "):].split("\n\n", 1)[0]  # the first table
     rows = [line for line in table.splitlines() if line.startswith("| ")]
     return [line.split(" | ")[0][2:].strip() for line in rows[1:]]  # skip the header
@@ -79,7 +79,7 @@ def files(corpus, tmp_path_factory):
             "short_shard": short_shard / "checkpoint_last.pt", "short_shard_file": shard}
 
 
-# README row -> cases: (ranks (0: one process, not under torchrun), extra flags (may name
+# docs/errors.md row -> cases: (ranks (0: one process, not under torchrun), extra flags (may name
 # files), message[, module])
 CATALOGUE = {
     "`--min-params-to-wrap -5`": [
@@ -179,7 +179,7 @@ CATALOGUE = {
 
 
 def test_the_catalogue_covers_every_readme_row():
-    assert readme_rows() == list(CATALOGUE)
+    assert catalogue_rows() == list(CATALOGUE)
 
 
 CASES = [(row, i, *case, *([] if len(case) == 4 else ["fairseq_cli.train"]))

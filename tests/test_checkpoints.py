@@ -201,7 +201,7 @@ def _restore(tmp_path, args, restore, *extra, world=1):
 
 def test_missing_shard_of_another_rank_is_refused_with_one_line(saved_run, tmp_path):
     """A 2-rank save resumed on 1 rank needs rank 1's shard file too. (The other bad
-    checkpoints, each one line: tests/test_bad_input.py, the README's Errors catalogue.)"""
+    checkpoints, each one line: tests/test_bad_input.py, docs/errors.md's catalogue.)"""
     root, args, _ = saved_run
     good = root / "run" / "checkpoint_1_4.pt"
     broken = tmp_path / "broken"
@@ -328,10 +328,10 @@ def test_meta_build_only_where_a_restart_has_weights_to_load(saved_run, tmp_path
     checkpoint) leave the model to be built in full, as fairseq then trains from scratch."""
     from types import SimpleNamespace
 
-    from fairseq_fsdp2 import meta_init
+    from fairseq_fsdp2.launch import preflight
 
     def will_load(save_dir):
-        return meta_init.weights_will_be_loaded(SimpleNamespace(checkpoint=SimpleNamespace(
+        return preflight.weights_will_be_loaded(SimpleNamespace(checkpoint=SimpleNamespace(
             finetune_from_model=None, restore_file="checkpoint_last.pt",
             save_dir=str(save_dir), checkpoint_suffix="")))
     root, _, _ = saved_run

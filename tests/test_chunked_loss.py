@@ -27,7 +27,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from numerics import U32
 
-from fairseq_fsdp2 import tied_grad
+from fairseq_fsdp2.sharding import tied_grad_buffer
 from fairseq_fsdp2.criterions.chunked import (
     CrossEntropyChunkedCriterion,
     LabelSmoothedCrossEntropyChunkedCriterion,
@@ -262,7 +262,7 @@ def test_tied_buffer_receives_the_weight_gradient_in_forward(small):
     stock = LabelSmoothedCrossEntropyCriterion(task, False, 0.1)
     _, _, want = loss_and_grads(stock, model, sample)
     ours = copy.deepcopy(model)
-    assert tied_grad.install(ours)  # encoder/decoder embedding + output projection
+    assert tied_grad_buffer.install(ours)  # encoder/decoder embedding + output projection
     criterion = LabelSmoothedCrossEntropyChunkedCriterion(task, False, 0.1, loss_chunk_tokens=7)
     loss, _, _ = criterion(ours, sample)
     hub = ours.decoder.output_projection.tied_gradient._current[2]

@@ -38,7 +38,7 @@ from launcher import base_env, free_port, train_inner
 
 from fairseq_fsdp2 import estimate as cli
 from fairseq_fsdp2.data.synthetic import write_random_corpus
-from fairseq_fsdp2.memory.plot import read_memory_log
+from fairseq_fsdp2.memory.charts import read_memory_log
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.cuda,
@@ -142,7 +142,7 @@ def test_16_bit_within_rounding_of_stock_fairseq(corpus, tmp_path, precision):
 
 def test_cpu_offload_trains_like_the_gpu(corpus, tmp_path, fsdp2_fp32):
     """--cpu-offload: shards, gradients and Adam on the CPU, compute on the GPU, the gradient
-    norm from CPU gradients (grad_norm.py). The same fp32 arithmetic on another device: the CPU
+    norm from CPU gradients (optimizer/grad_norm.py). The same fp32 arithmetic on another device: the CPU
     and GPU Adam kernels round alike to an ulp, far below the printed precision."""
     out = ok(run(tiny(corpus, tmp_path, *FSDP2, "--cpu-offload")))
     assert_printed_equal(series(out, "loss"), series(fsdp2_fp32, "loss"))
@@ -315,7 +315,7 @@ def test_two_gpus_torchrun_equals_stock_fairseq(corpus, tmp_path, torchrun_two):
 @two_gpus
 def test_two_gpus_cpu_offload_trains_like_the_gpus(corpus, tmp_path, torchrun_two):
     """--cpu-offload on 2 ranks: the gradient norm's all-reduce over NCCL must run on the GPU
-    though the gradients are on the CPU (grad_norm.py; one rank has no reduction to make).
+    though the gradients are on the CPU (optimizer/grad_norm.py; one rank has no reduction to make).
     The same fp32 arithmetic on another device, as test_cpu_offload_trains_like_the_gpu."""
     out = ok(run(tiny(corpus, tmp_path, *FSDP2, "--cpu-offload"), gpus=2, torchrun=2))
     assert_printed_equal(series(out, "loss"), series(torchrun_two, "loss"))

@@ -109,26 +109,26 @@ def test_exit_handlers_run_as_the_plugin_relies_on():
 
 
 def test_the_export_holds_one_full_copy_at_a_time(finished, tmp_path, monkeypatch):
-    from fairseq_fsdp2.checkpoint import consolidate, sharded
+    from fairseq_fsdp2.checkpoint import export, sharded
 
     root, _ = finished
     last = torch.load(root / "ckpt" / "checkpoint_last.pt", weights_only=True)
     reads, alive = [], []
-    real = consolidate._fsdp2_model
+    real = export._fsdp2_model
 
     def watched(*args):
         reads.append(sum(ref() is not None for ref in alive))  # copies held as a read starts
         model = real(*args)
         alive.extend(weakref.ref(t) for t in model.values())
         return model
-    monkeypatch.setattr(consolidate, "_fsdp2_model", watched)
+    monkeypatch.setattr(export, "_fsdp2_model", watched)
     requested = []
-    real_load = consolidate.dcp.load
+    real_load = export.dcp.load
 
     def load(state_dict, **kwargs):
         requested.append(set(state_dict["model"]))
         return real_load(state_dict, **kwargs)
-    monkeypatch.setattr(consolidate.dcp, "load", load)
+    monkeypatch.setattr(export.dcp, "load", load)
 
     for case in ("same shards", "other shards"):
         save = tmp_path / case.replace(" ", "-")
@@ -143,7 +143,7 @@ def test_the_export_holds_one_full_copy_at_a_time(finished, tmp_path, monkeypatc
         torch.save(best, save / "checkpoint_best.pt")
         reads.clear()
         requested.clear()
-        written = consolidate.consolidate_at_end(str(save))
+        written = export.consolidate_at_end(str(save))
         assert [os.path.basename(p) for p in written] == ["checkpoint_best_consolidated.pt",
                                                           "checkpoint_last_consolidated.pt"]
         assert reads == ([0] if case == "same shards" else [0, 0]), case

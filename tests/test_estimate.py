@@ -24,10 +24,14 @@ from conftest import PLUGIN
 from launcher import ok, run_command, run_ranks
 
 from fairseq_fsdp2 import estimate as cli
+from fairseq_fsdp2.estimator import from_args
 from fairseq_fsdp2 import plot_memory
 from fairseq_fsdp2.data.synthetic import write_random_corpus
-from fairseq_fsdp2.memory import estimate as est
-from fairseq_fsdp2.memory.plot import per_rank_series, read_memory_log
+from fairseq_fsdp2.estimator.fsdp2_step import simulate_fsdp2
+from fairseq_fsdp2.estimator.ledger import CATEGORIES
+from fairseq_fsdp2.estimator.model_profile import resolve, trace_forward, workload_for
+from fairseq_fsdp2.estimator.peak import cpu_baseline_bytes
+from fairseq_fsdp2.memory.charts import per_rank_series, read_memory_log
 
 GIB = 1024 ** 3
 NLLB_VOCAB = 256_206
@@ -151,7 +155,7 @@ def test_sharded_and_optimizer_bytes_equal_a_real_two_rank_checkpoint(corpus, tm
     header = torch.load(save / "checkpoint_last.pt", weights_only=True)["fsdp2"]
     real = shard_bytes_per_rank(save / header["shards"], header["aliases"])
     (prediction,) = cli.estimate_args(args + ["--world-size", "2"])
-    model = cli.build_meta_model(cli.parse(args))
+    model = from_args.build_meta_model(cli.parse(args))
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     buffers = sum(t.numel() * t.element_size() for n, t in model.state_dict().items()
                   if n not in params)
@@ -220,9 +224,9 @@ def test_tied_gradient_buffer_keeps_one_embedding_gradient():
     ledgers = []
     for extra in (["--fsdp2-no-tied-grad-buffer"], []):
         args = cli.parse(nllb_args("transformer_nllb_600m", *flags, *extra))
-        setup = cli.setup_for(args, 2)
+        setup = from_args.setup_for(args, 2)
         assert setup.tied_grad_buffer == (not extra)
-        ledgers.append(est.simulate_fsdp2(cli.profile_for(args), setup))
+        ledgers.append(simulate_fsdp2(from_args.profile_for(args), setup))
     stock, buffered = ledgers
     one = NLLB_VOCAB * 1024 * 4  # one fp32 vocab x dim gradient
     saved = stock.max["grads"] - buffered.max["grads"]
@@ -255,7 +259,7 @@ def test_legacy_ddp_and_chunked_loss():
     base = ["unused-data", "--task", "translation", "--vocab-size", str(NLLB_VOCAB), *small]
     one, two = cli.estimate_args(base + ["--ddp-backend", "legacy_ddp",
                                          "--world-size", "1", "2"])
-    params = sum(p.numel() for p in cli.build_meta_model(cli.parse(base)).parameters())
+    params = sum(p.numel() for p in from_args.build_meta_model(cli.parse(base)).parameters())
     # every rank holds the model; from 2 ranks, also fairseq's model-sized all-reduce buffer
     assert two.classes[0].breakdown["comm"] == params * 4
     assert two.peak - one.peak == params * 4
@@ -271,8 +275,8 @@ def test_legacy_ddp_and_chunked_loss():
     assert chunked.classes[0].breakdown["loss"] <= 64 * NLLB_VOCAB * 4 * 3 + 1024 * 128 * 4
     assert chunked.peak < 0.6 * fsdp.peak
     # CPU: the runtime baseline (with NLLB's dictionaries) is part of every figure
-    assert one.classes[0].breakdown["other"] >= est.cpu_baseline_bytes(NLLB_VOCAB)
-    assert est.cpu_baseline_bytes(NLLB_VOCAB) > est.cpu_baseline_bytes(100)
+    assert one.classes[0].breakdown["other"] >= cpu_baseline_bytes(NLLB_VOCAB)
+    assert cpu_baseline_bytes(NLLB_VOCAB) > cpu_baseline_bytes(100)
 
 
 def test_an_optimizer_it_does_not_model_is_counted_as_adam_and_said():
@@ -287,7 +291,7 @@ def test_an_optimizer_it_does_not_model_is_counted_as_adam_and_said():
 def test_cli_prints_the_breakdown(capsys):
     assert cli.main(nllb_args("transformer_nllb_600m", "--fp16", "--world-size", "8")) == 0
     out = capsys.readouterr().out
-    for _, label in est.CATEGORIES:
+    for _, label in CATEGORIES:
         assert label in out
     assert "ranks 0-6" in out and "rank 7" in out and "peak per rank (GiB)" in out
     assert "fsdp2 x 8" in out and "fp16" in out and "CUDA" in out
@@ -333,15 +337,15 @@ def test_meta_trace_counts_what_a_real_forward_saves():
                       "--arch", "transformer_nllb_tiny", "--max-tokens", "168",
                       "--seq-len", "21"])
     torch.manual_seed(0)
-    real = cli.build_task(args).build_model(args)
-    meta = cli.build_meta_model(args)
-    workload = est.workload_for(args.max_tokens, None, args.seq_len)
+    real = from_args.build_task(args).build_model(args)
+    meta = from_args.build_meta_model(args)
+    workload = workload_for(args.max_tokens, None, args.seq_len)
     assert (workload.batch, workload.tokens) == (8, 168)
-    trace = est.trace_forward(meta, [], workload, torch.float32, features_only=True)
+    trace = trace_forward(meta, [], workload, torch.float32, features_only=True)
     assert trace.act_bytes == saved_bytes_on_cpu(real, 8, 21) > 0
     # CUDA's fused attention keeps no batch x heads x L x L probabilities: 6 attention calls
     # (2 encoder self, 2 decoder self, 2 cross), each with 4 heads
-    cuda = est.resolve(trace, "cuda")
+    cuda = resolve(trace, "cuda")
     assert sum(1 for kind, _ in trace.events if kind == "attn") == 6
     assert trace.act_bytes - cuda.act_bytes >= 6 * 8 * 4 * 21 * 21 * 4
 

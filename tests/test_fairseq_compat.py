@@ -1,5 +1,5 @@
 """fairseq's training features under FSDP2, exactly as under stock legacy_ddp: the compatibility
-matrix of the README ("fairseq features under FSDP2"), whose rows name the tests below.
+matrix of docs/compatibility.md ("fairseq features under FSDP2"), whose rows name the tests below.
 
 Features that do not interfere share a scenario: one command line, run once with the plugin's
 ``--ddp-backend fsdp2`` (2 ranks) and once with stock fairseq's own 2-rank ``legacy_ddp``
@@ -381,7 +381,7 @@ def test_starting_from_a_stock_eval_bleu_checkpoint_as_stock(from_stock, kind):
 def test_stock_legacy_ddp_goes_on_from_an_fsdp2_checkpoint_with_a_new_optimizer(from_stock):
     """Back to stock DDP: legacy_ddp given the plugin's sharded checkpoint_best.pt with
     --reset-optimizer reads its full weights (registration.py's patch 8) and makes the same
-    updates as FSDP2 from the same file. (Without --reset-optimizer: one line, README Errors.)"""
+    updates as FSDP2 from the same file. (Without --reset-optimizer: one line, docs/errors.md.)"""
     ours, stock = from_stock["from-fsdp2", "fsdp2"], from_stock["from-fsdp2", "stock"]
     assert sorted(updates(stock)) == [1, 2, 3]
     assert_same_training(updates(ours), updates(stock))
@@ -526,33 +526,34 @@ def test_multilingual_resumed_mid_virtual_epoch(multilingual, ranks):
 
 
 # --- features refused ------------------------------------------------------------------------------
-# --store-ema: tests/test_bad_input.py (README "Errors").
+# --store-ema: tests/test_bad_input.py (docs/errors.md).
 
 
-# --- the README table ------------------------------------------------------------------------------
+# --- the documented table ------------------------------------------------------------------------------
 
-def readme_matrix() -> list[tuple[str, str, str]]:
-    """(feature, status, tests) rows of the README's "fairseq features under FSDP2" table."""
-    text = (REPO / "README.md").read_text()
+def documented_matrix() -> list[tuple[str, str, str]]:
+    """(feature, status, tests) rows of docs/compatibility.md's "fairseq features under FSDP2"
+    table."""
+    text = (REPO / "docs" / "compatibility.md").read_text()
     section = text.split("\n## fairseq features under FSDP2\n", 1)[1]
     table = section[section.index("\n| "):].split("\n\n", 1)[0]
     rows = [line for line in table.splitlines() if line.startswith("| ")][1:]  # no header
     return [tuple(cell.strip() for cell in row.strip("|").split(" | ")) for row in rows]
 
 
-def test_readme_matrix_names_existing_tests_and_every_test_has_a_row():
-    rows = readme_matrix()
-    assert rows, "README has no fairseq features table"
+def test_compatibility_table_names_existing_tests_and_every_test_has_a_row():
+    rows = documented_matrix()
+    assert rows, "docs/compatibility.md has no fairseq features table"
     named = set()
     for feature, status, tests in rows:
         for ref in re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", tests):
             path, name = ref
             assert re.search(rf"^def {name}\(", (REPO / path).read_text(), re.M), \
-                f"README row {feature!r} names {path}::{name}, which does not exist"
+                f"row {feature!r} names {path}::{name}, which does not exist"
             named.add((path, name))
-        assert re.search(r"`tests/", tests), f"README row {feature!r} names no test"
+        assert re.search(r"`tests/", tests), f"row {feature!r} names no test"
     here = Path(__file__).read_text()
     mine = set(re.findall(r"^def (test_\w+)\(", here, re.M))
-    mine.discard("test_readme_matrix_names_existing_tests_and_every_test_has_a_row")
+    mine.discard("test_compatibility_table_names_existing_tests_and_every_test_has_a_row")
     missing = mine - {name for path, name in named if path == "tests/test_fairseq_compat.py"}
-    assert not missing, f"tests with no README row: {sorted(missing)}"
+    assert not missing, f"tests with no row in docs/compatibility.md: {sorted(missing)}"

@@ -1,4 +1,4 @@
-"""FSDP2's collectives on gloo (fairseq_fsdp2/gloo_comms.py): the same values as gloo's own,
+"""FSDP2's collectives on gloo (fairseq_fsdp2/sharding/gloo_collectives.py): the same values as gloo's own,
 without their full-size temporaries, and used by FSDP2 (tests/probes/gloo_comms_probe.py, real
 gloo ranks forked from the test server)."""
 import json
@@ -33,7 +33,7 @@ def test_same_values_as_gloos_own_collectives(report, case):
 
 def test_no_full_size_temporaries(report):
     """gloo's own all-gather holds a temporary as large as its output, its reduce-scatter one
-    as large as its input (if torch changes that, this fails and gloo_comms.py can go); ours
+    as large as its input (if torch changes that, this fails and gloo_collectives.py can go); ours
     hold none that grows with the data: gloo's all-reduce keeps fixed scratch buffers (about 2
     MiB measured at 16 MiB and at 1 GiB shards), bounded here by a quarter of a 16 MiB shard."""
     r = report["collectives"]

@@ -26,7 +26,9 @@ from omegaconf import OmegaConf
 from conftest import REPO
 from launcher import ok, run_ranks
 
-from fairseq_fsdp2 import grad_norm, meta_init, precision
+from fairseq_fsdp2.optimizer.build import build_optimizer
+from fairseq_fsdp2.sharding import meta_build
+from fairseq_fsdp2.sharding.mesh import comm_device
 from fairseq_fsdp2.memory.monitor import IntervalCount
 
 PROBES = str(REPO / "tests" / "probes")
@@ -46,7 +48,7 @@ def test_norm_is_global_over_dtensor_grads_whatever_fairseq_helper_does(norm_rep
     # rounding, a few ulps of a value of order 10-1000
     assert r["norm"] == pytest.approx(r["expected"], rel=1e-5)
     assert not r["norm_is_dtensor"]
-    # the local shards' way (grad_norm.py) computes what DTensor's get_total_norm computes, in
+    # the local shards' way (optimizer/grad_norm.py) computes what DTensor's get_total_norm computes, in
     # the same order: per-tensor norms reduced over the ranks, then their norm (bit for bit)
     assert r["norm"] == r["dtensor_norm"], r
     # under the apex emulation fairseq's helper sees rank 0's shards only: the test bites
@@ -65,7 +67,7 @@ def test_full_state_broadcast_fills_the_shards_exactly(norm_report, mode):
 def test_comm_device_follows_the_backend(monkeypatch):
     for backend, device in (("gloo", "cpu"), ("nccl", "cuda"), ("cpu:gloo,cuda:nccl", "cpu")):
         monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
-        assert grad_norm.comm_device().type == device, backend
+        assert comm_device().type == device, backend
 
 
 def test_apex_fused_adam_is_not_used_for_dtensor_params(monkeypatch):
@@ -85,7 +87,7 @@ def test_apex_fused_adam_is_not_used_for_dtensor_params(monkeypatch):
     params = list(nn.Linear(2, 2).parameters())
     optim.build_optimizer(cfg.optimizer, params)
     assert built == [True]  # stock fairseq under the emulation: the fused class
-    ours = precision.build_optimizer(cfg, params)
+    ours = build_optimizer(cfg, params)
     assert built == [True] and type(ours.optimizer).__module__ == "fairseq.optim.adam"
     assert cfg.optimizer.use_old_adam is False  # the user's cfg (saved in checkpoints) unchanged
 
@@ -102,5 +104,5 @@ def test_meta_built_offloaded_model_keeps_buffers_on_the_compute_device():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(2, 2))
         model.register_buffer("table", torch.zeros(3))
-    meta_init.materialize(model, torch.device("meta"), params_device=torch.device("cpu"))
+    meta_build.materialize(model, torch.device("meta"), params_device=torch.device("cpu"))
     assert model[0].weight.device.type == "cpu" and model.table.device.type == "meta"

@@ -36,9 +36,9 @@ import torch
 from conftest import PLUGIN, TESTS
 from launcher import base_env, finish_ranks, ok, start_command, start_ranks, train_inner
 
-from fairseq_fsdp2.checkpoint import hf_nllb
-from fairseq_fsdp2.checkpoint.consolidate import main as consolidate_main
-from fairseq_fsdp2.data import hf_vocab, numbers
+from fairseq_fsdp2.consolidate import main as consolidate_main
+from fairseq_fsdp2.data import numbers
+from fairseq_fsdp2.hf import nllb_weights as hf_nllb, vocab as hf_vocab
 from fairseq_fsdp2.data.prepare import prepare, read_lines, train_spm
 from fairseq_fsdp2.errors import CheckpointError
 
@@ -227,7 +227,7 @@ def test_hub_weights_give_the_hf_logits_in_fairseq(hub):
 def test_sharded_safetensors_read_the_same(hub, tmp_path):
     """A model saved in several files (model.safetensors.index.json), as the larger hub
     models are, reads as the single file does."""
-    from fairseq_fsdp2.checkpoint.safetensors_io import SafetensorsFile, write
+    from fairseq_fsdp2.hf.safetensors_io import SafetensorsFile, write
 
     single = SafetensorsFile(str(hub.dir / "model.safetensors"))
     names = single.keys()

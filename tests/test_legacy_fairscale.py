@@ -115,7 +115,7 @@ def legacy_save(corpus, tmp_path_factory):
 
 def test_consolidated_equals_the_model_and_stock_generate_reads_it(legacy_save, corpus, tmp_path):
     from fairseq_fsdp2.checkpoint import legacy_fairscale
-    from fairseq_fsdp2.checkpoint.consolidate import main
+    from fairseq_fsdp2.consolidate import main
 
     out, references = legacy_save
     shards = [str(out / "checkpoint_last-shard0.pt"), str(out / "checkpoint_last-shard1.pt")]
@@ -165,7 +165,7 @@ def test_padding_ties_and_buffers(legacy_save, flatten):
 
 
 def test_incomplete_or_mixed_shards_are_refused_with_one_line(legacy_save, tmp_path, capsys):
-    from fairseq_fsdp2.checkpoint.consolidate import main
+    from fairseq_fsdp2.consolidate import main
 
     out, _ = legacy_save
     names = ["checkpoint_last-shard0.pt", "checkpoint_last-shard1.pt"]

@@ -1,4 +1,4 @@
-"""The optimizer's elementwise work on the local shards (fairseq_fsdp2/local_shards.py) computes
+"""The optimizer's elementwise work on the local shards (fairseq_fsdp2/optimizer/local_shard_step.py) computes
 exactly what DTensor dispatch computes: 2 real gloo ranks, uneven shards, 4 steps with
 gradient scaling, clipping, weight decay, and fairseq's fp16 loss-scaling wrapper."""
 from __future__ import annotations

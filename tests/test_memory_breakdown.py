@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from conftest import PLUGIN
 from launcher import ok, run_ranks, train_inner
 
-from fairseq_fsdp2 import tied_grad
+from fairseq_fsdp2.sharding import tied_grad_buffer
 from fairseq_fsdp2.data.synthetic import write_random_corpus
 from fairseq_fsdp2.errors import OptionError
 from fairseq_fsdp2.memory.breakdown import FILE_NAME
@@ -182,7 +182,7 @@ def test_tied_grad_buffer_gradients_equal_stock(chunked):
     torch.manual_seed(0)
     stock = _Tied()
     ours = copy.deepcopy(stock)
-    assert tied_grad.install(ours) == [["embed", "out"]]
+    assert tied_grad_buffer.install(ours) == [["embed", "out"]]
     assert ours.out.weight is ours.embed.weight
     src, tgt = torch.randint(0, 50, (3, 7)), torch.randint(0, 50, (3, 5))
     src[0, :2] = tgt[1, 3] = 1  # padding: its row gets no gradient from the lookups

@@ -213,7 +213,7 @@ def test_hydra_configs_match_the_command_line(data):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from fairseq_fsdp2.hydra_train import add_defaults
+    from fairseq_fsdp2.integration.hydra_config import add_defaults
 
     expected = {"nllb_600m_finetune": (12, 1024, 4096), "nllb_1_3b_finetune": (24, 1024, 8192),
                 "nllb_3_3b_finetune": (24, 2048, 8192), "nllb_tiny_demo": (2, 64, 128)}
@@ -250,5 +250,5 @@ def test_hydra_configs_match_the_command_line(data):
         assert cfg.criterion.loss_chunk_tokens == 256, name
         assert cfg.criterion.label_smoothing == 0.1 and cfg.lr_scheduler._name == "inverse_sqrt"
 
-# Unknown hydra keys: tests/test_bad_input.py (the README's error catalogue).
+# Unknown hydra keys: tests/test_bad_input.py (docs/errors.md).
 

@@ -30,4 +30,4 @@ def test_good_values_pass():
     check(world=4, fsdp2_replicate_degree=2, min_params=10)
     check(world=1)
 
-# The same checks from the command line: tests/test_bad_input.py (the README's catalogue).
+# The same checks from the command line: tests/test_bad_input.py (docs/errors.md).

@@ -4,7 +4,7 @@ import torch.nn as nn
 from fairseq import options, tasks
 
 import fairseq_fsdp2  # noqa: F401
-from fairseq_fsdp2.plan import LAYER, ROOT, SHARED, PlanError, build_plan, tied_groups
+from fairseq_fsdp2.sharding.plan import LAYER, ROOT, SHARED, PlanError, build_plan, tied_groups
 from conftest import TINY_MODEL
 
 

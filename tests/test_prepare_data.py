@@ -15,7 +15,8 @@ from fairseq.data import Dictionary, data_utils
 from launcher import run_command
 
 from fairseq_fsdp2.data import numbers
-from fairseq_fsdp2.data.prepare import NLLB200_LANGS, main, read_lines, train_spm
+from fairseq_fsdp2.data.prepare import main, read_lines, train_spm
+from fairseq_fsdp2.models.nllb_languages import NLLB200_LANGS
 
 REPO = Path(__file__).resolve().parent.parent
 PAIR = ("eng_Latn", "fra_Latn")

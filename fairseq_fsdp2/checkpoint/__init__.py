@@ -1,1 +1,4 @@
-"""Checkpoint state for sharded training."""
+"""Checkpoint formats and their I/O: sharded DCP checkpoints in fairseq's file layout
+(sharded.py), full state into shards (full_state.py), the consolidated export (export.py), legacy
+FSDP's per-rank shards (legacy_fairscale.py), safe loading (safe_load.py), the shared --save-dir
+check (shared_dir.py)."""

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..errors import CheckpointError
-from ..factored_state import state_placements
-from ..grad_norm import comm_device
+from ..optimizer.adafactor_state import state_placements
+from ..sharding.mesh import comm_device
 
 
 def install_optimizer_hooks(torch_optimizer: torch.optim.Optimizer) -> None:

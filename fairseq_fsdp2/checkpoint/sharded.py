@@ -40,8 +40,8 @@ DEFAULT_RESTORE_FILE = "checkpoint_last.pt"
 #: 2: a tied weight's shards are stored once, under its canonical name (1 stored them under
 #: every alias: NLLB's embedding 3 times, +2.1 GB per NLLB-600M checkpoint). Both load.
 FORMAT_VERSION = 2
-#: True while the FSDP2 trainer loads a checkpoint (trainer_io.py): it reads the shards
-#: itself, each rank its own part; any other reader gets the full weights (consolidate.py).
+#: True while the FSDP2 trainer loads a checkpoint (trainer/checkpoint_hooks.py): it reads the
+#: shards itself, each rank its own part; any other reader gets the full weights (export.py).
 _trainer_loading = contextvars.ContextVar("fsdp2_trainer_loading", default=False)
 
 

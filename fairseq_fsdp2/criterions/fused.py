@@ -14,8 +14,8 @@ the vocabulary x dim weight gradient, which the stock path also creates in backw
 
 Where the weight gradient goes: returned from backward for the ``weight`` input, autograd adds
 it to that tensor's other gradients (``.grad`` of the parameter, or FSDP2's unsharded gradient).
-With a tied-gradient hub (``tied_grad.py``, ``--fsdp2-tied-grad-buffer``) the chunks add
-directly into the hub's single buffer instead, which the embeddings' backward later adds their
+With a tied-gradient hub (``sharding/tied_grad_buffer.py``, ``--fsdp2-tied-grad-buffer``) the
+chunks add directly into the hub's single buffer instead, which the embeddings' backward later adds their
 rows to: one vocabulary x dim gradient in all.
 
 fp16: the stored gradients would underflow unscaled (a 256k-way softmax has most probabilities

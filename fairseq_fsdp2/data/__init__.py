@@ -1,2 +1,3 @@
-"""Data preparation for multilingual NLLB-style training (prepare.py) and a small generated
-corpus of numbers written out in words, for the demo and tests (numbers.py)."""
+"""Data preparation for multilingual NLLB-style training (prepare.py, preprocess.py), the
+generated corpus of numbers written out in words for the demo and tests (numbers.py), and random
+large-vocabulary corpora for the memory validation and benchmarks (synthetic.py)."""

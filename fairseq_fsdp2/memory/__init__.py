@@ -1,5 +1,3 @@
-"""Memory: per-rank peak logging (monitor.py); the per-rank breakdown of one update is in
-breakdown.py and tracker.py (--fsdp2-memory-breakdown)."""
-from .monitor import MemoryMonitor, read_peak, reset_peak
-
-__all__ = ["MemoryMonitor", "read_peak", "reset_peak"]
+"""Memory measured while training: every rank's peak per log interval (monitor.py), the per-rank
+breakdown of one update (breakdown.py, tracker.py: --fsdp2-memory-breakdown), and charts of a
+run's memory.jsonl (charts.py)."""

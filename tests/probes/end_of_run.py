@@ -58,9 +58,9 @@ def _slow(real):
 from fairseq_cli.train import cli_main  # noqa: E402
 
 if rank == 0:
-    from fairseq_fsdp2.checkpoint import consolidate
+    from fairseq_fsdp2.checkpoint import export
 
-    consolidate._fsdp2_model = _slow(consolidate._fsdp2_model)
+    export._fsdp2_model = _slow(export._fsdp2_model)
 
 if __name__ == "__main__":
     cli_main()

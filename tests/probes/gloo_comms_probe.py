@@ -5,7 +5,7 @@
    written beforehand, so only temporaries count).
 2. Through FSDP2: two copies of one model, sharded alike (uneven rows, a unit per layer and a
    root), trained 3 Adam steps on the same batches, one with FSDP2's collectives and one after
-   ``gloo_comms.install``; every parameter compared bit for bit; and how often FSDP2 called the
+   ``gloo_collectives.install``; every parameter compared bit for bit; and how often FSDP2 called the
    installed collectives (torch calls them through an interface this module only imitates).
 """
 import os
@@ -18,7 +18,7 @@ from torch.distributed.fsdp import fully_shard
 
 from probe_report import report_and_exit
 
-from fairseq_fsdp2 import gloo_comms
+from fairseq_fsdp2.sharding import gloo_collectives
 
 MIB = 2 ** 20
 
@@ -50,11 +50,11 @@ def collectives(group, numel: int) -> dict:
     ours, theirs = torch.zeros(numel * size), torch.zeros(numel * size)
     ours[rank * numel:(rank + 1) * numel].copy_(shard)
     slot = ours[rank * numel:(rank + 1) * numel]
-    ag_ours = extra_memory(lambda: gloo_comms.BroadcastAllGather()(ours, slot, group))
+    ag_ours = extra_memory(lambda: gloo_collectives.BroadcastAllGather()(ours, slot, group))
     ag_theirs = extra_memory(lambda: dist.all_gather_into_tensor(theirs, shard, group=group))
     grads = torch.randn(numel * size, generator=g)
     mine, out_ours, out_theirs = grads.clone(), torch.zeros(numel), torch.zeros(numel)
-    rs_ours = extra_memory(lambda: gloo_comms.AllReduceReduceScatter()(
+    rs_ours = extra_memory(lambda: gloo_collectives.AllReduceReduceScatter()(
         out_ours, mine, group, dist.ReduceOp.SUM))
     rs_theirs = extra_memory(lambda: dist.reduce_scatter_tensor(out_theirs, grads, group=group))
     return {"bytes": numel * 4, "all_gather_equal": torch.equal(ours, theirs),
@@ -92,9 +92,9 @@ def train(mesh, install: bool):
     fully_shard(model, mesh=mesh)
     counts = None
     if install:
-        assert gloo_comms.install(model, mesh.get_group()) == 3
-        counts = [Counting(gloo_comms.BroadcastAllGather()),
-                  Counting(gloo_comms.AllReduceReduceScatter())]
+        assert gloo_collectives.install(model, mesh.get_group()) == 3
+        counts = [Counting(gloo_collectives.BroadcastAllGather()),
+                  Counting(gloo_collectives.AllReduceReduceScatter())]
         for unit in (model, model[0], model[2]):
             unit.set_custom_all_gather(counts[0])
             unit.set_custom_reduce_scatter(counts[1])

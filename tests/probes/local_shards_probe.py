@@ -21,8 +21,8 @@ from torch.distributed.tensor import DTensor
 
 from probe_report import report_and_exit
 
-from fairseq_fsdp2 import precision
-from fairseq_fsdp2.local_shards import LocalShardStep, use_local_shards
+from fairseq_fsdp2.optimizer.build import build_optimizer
+from fairseq_fsdp2.optimizer.local_shard_step import LocalShardStep, use_local_shards
 
 MAX_NORM = 0.5
 STEPS = 4
@@ -61,8 +61,8 @@ def run(fp16: bool) -> dict:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     reference, ours = model(mesh), model(mesh)
     ref_params, our_params = list(reference.parameters()), list(ours.parameters())
-    ref_opt = precision.build_optimizer(cfg(fp16), ref_params, local_shards=False)
-    our_opt = precision.build_optimizer(cfg(fp16), our_params)
+    ref_opt = build_optimizer(cfg(fp16), ref_params, local_shards=False)
+    our_opt = build_optimizer(cfg(fp16), our_params)
     for step in range(STEPS):
         for m, opt in ((reference, ref_opt), (ours, our_opt)):
             opt.zero_grad()

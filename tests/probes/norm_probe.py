@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from probe_report import report_and_exit
 
-from fairseq_fsdp2 import precision
+from fairseq_fsdp2.optimizer.build import build_optimizer
 from fairseq_fsdp2.checkpoint.full_state import broadcast_full_model
 
 MAX_NORM = 0.5
@@ -59,11 +59,11 @@ def check(offload: bool, mesh) -> dict:
     expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
 
     params = list(sharded.parameters())
-    optimizer = precision.build_optimizer(cfg(), params)
+    optimizer = build_optimizer(cfg(), params)
     fairseq_norm = fairseq_utils.clip_grad_norm_(params, 0)  # apex emulated: local shards
     if isinstance(fairseq_norm, DTensor):
         fairseq_norm = fairseq_norm.full_tensor()
-    # torch's own DTensor path, what the plugin's shorter way must equal (grad_norm.py)
+    # torch's own DTensor path, what the plugin's shorter way must equal (optimizer/grad_norm.py)
     through_dtensor = torch.nn.utils.get_total_norm([p.grad for p in params])
     norm = optimizer.clip_grad_norm(MAX_NORM)
     clipped = [p.grad.full_tensor() for p in params]

@@ -1,110 +1,13 @@
 """The step simulator of the memory estimator: one training step of FSDP2 on one rank, replayed
-on a ledger of live bytes per category (rules: estimate.py; fairseq's legacy_ddp: ddp.py)."""
+on a ledger of live bytes per category (rules: peak.py; the ledger: ledger.py; fairseq's
+legacy_ddp: ddp_step.py)."""
 from __future__ import annotations
 
-import math
-from collections import Counter
-from dataclasses import dataclass
 from typing import Optional
 
-from ..plan import LAYER, ROOT
-from .profile import ModelProfile, UnitSpec
-
-
-#: Categories of the breakdown, in print order (key, label).
-CATEGORIES = (
-    ("sharded", "sharded parameters"),
-    ("gathered", "gathered parameters"),
-    ("grads", "gradients"),
-    ("optim", "optimizer state"),
-    ("acts", "activations"),
-    ("loss", "logits/loss temporaries"),
-    ("comm", "communication buffers"),
-    ("other", "other"),
-)
-
-
-@dataclass
-class Setup:
-    """The run's options that change memory (fairseq-train flags, in plain values)."""
-
-    backend: str = "fsdp2"
-    world_size: int = 1
-    replicate_degree: int = 1
-    precision: str = "fp32"
-    root_reshard: str = "default"
-    no_reshard_after_forward: bool = False
-    reshard_degree: int = 0
-    optimizer: str = "adam"
-    momentum: float = 0.0
-    loss_chunk_tokens: int = 0  # 0: the stock criterion
-    device: str = "cuda"
-    cpu_baseline_gb: Optional[float] = None  # None: cpu_baseline_bytes(vocab)
-    cpu_offload: bool = False
-    update_freq: int = 1
-    no_sync: bool = False
-    checkpoint_activations: bool = False
-    memory_efficient_fp16: bool = False
-    tied_grad_buffer: bool = False  # --fsdp2-tied-grad-buffer: one gradient for all uses
-
-
-# -- the simulation ---------------------------------------------------------------------------
-
-class _Ledger:
-    """Bytes alive per category; ``moment`` records the largest total seen (with transients)."""
-
-    def __init__(self):
-        self.now: Counter = Counter()
-        self.peak_total = -1
-        self.peak: dict[str, int] = {}
-        self.peak_moment = ""
-        self.max: Counter = Counter()  # each category's largest value at any moment
-
-    def add(self, category: str, nbytes: int) -> None:
-        self.now[category] += nbytes
-
-    def sub(self, category: str, nbytes: int) -> None:
-        self.now[category] -= nbytes
-
-    def moment(self, name: str, **transient: int) -> None:
-        snap = Counter(self.now)
-        for k, v in transient.items():
-            snap[k] += v
-        total = sum(snap.values())
-        for k, v in snap.items():
-            self.max[k] = max(self.max[k], v)
-        if total > self.peak_total:
-            self.peak_total, self.peak_moment = total, name
-            self.peak = {k: int(snap.get(k, 0)) for k, _ in CATEGORIES}
-
-
-def _shard_rows(n: int, shards: int, rank: int) -> tuple[int, int]:
-    """(rows on ``rank``, padded rows per rank) when FSDP2 shards dim 0 of size n."""
-    chunk = -(-n // shards)
-    return max(0, min(chunk, n - rank * chunk)), chunk
-
-
-def _unit_sizes(unit: UnitSpec, shards: int, rank: int) -> tuple[int, int, int]:
-    """(elements on this rank, padded unsharded elements, largest single-param shard)."""
-    local = padded = largest = 0
-    for shape in unit.shapes:
-        rest = math.prod(shape[1:])
-        rows, chunk = _shard_rows(shape[0], shards, rank)
-        local += rows * rest
-        padded += chunk * shards * rest
-        largest = max(largest, rows * rest)
-    return local, padded, largest
-
-
-#: Optimizers whose state the simulator counts: fp32 copies of each parameter (shard) kept.
-#: Any other is counted as Adam (two), and the estimate says so (estimate.py).
-OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "cpu_adam": 2, "nag": 1, "adagrad": 1, "sgd": 1}
-
-
-def _optimizer_states(setup: Setup) -> int:
-    if setup.optimizer == "sgd" and not setup.momentum:
-        return 0
-    return OPTIMIZER_STATES.get(setup.optimizer, 2)
+from ..sharding.plan import LAYER, ROOT
+from .ledger import Ledger, Setup, optimizer_states, unit_sizes
+from .model_profile import ModelProfile
 
 
 class _FSDP2Step:
@@ -126,11 +29,11 @@ class _FSDP2Step:
         self.units = {u.name: u for u in profile.units}
         self.local, self.padded, self.largest = {}, {}, 0
         for u in profile.units:
-            self.local[u.name], self.padded[u.name], big = _unit_sizes(u, self.shards, rank)
+            self.local[u.name], self.padded[u.name], big = unit_sizes(u, self.shards, rank)
             self.largest = max(self.largest, big)
         self.full = {n: self.padded[n] * self.c for n in self.units}
         self.on_device = not (setup.cpu_offload and setup.device == "cuda")
-        self.led = _Ledger()
+        self.led = Ledger()
         self.gathered: dict[str, int] = {}
         self.prefetched: dict[str, int] = {}
         self.retained_ag = 0
@@ -221,14 +124,14 @@ class _FSDP2Step:
         self.reshard(name)
 
     # -- the step ---------------------------------------------------------------------------------
-    def run(self) -> _Ledger:
+    def run(self) -> Ledger:
         p, s, led, c = self.p, self.s, self.led, self.c
         T, V, d = p.workload.tokens, p.vocab, p.embed_dim
         mixed = c != 4
         sharded = sum(self.local.values()) * 4
         if self.on_device:
             led.add("sharded", sharded)
-            led.add("optim", _optimizer_states(s) * sharded)
+            led.add("optim", optimizer_states(s) * sharded)
         led.add("other", p.buffer_bytes)
         if s.update_freq > 1:  # gradients carried over from the earlier micro-batches
             if s.no_sync:
@@ -370,5 +273,5 @@ class _FSDP2Step:
                 accumulated = True
 
 
-def simulate_fsdp2(profile: ModelProfile, setup: Setup, rank: int = 0) -> _Ledger:
+def simulate_fsdp2(profile: ModelProfile, setup: Setup, rank: int = 0) -> Ledger:
     return _FSDP2Step(profile, setup, rank).run()

@@ -11,7 +11,7 @@ with the keys and zero values fairseq's own initialisation gives it, the two sta
 DTensors laid out as the reductions that update them produce (:func:`reduced_placements`): the
 mean over the last dimension keeps the parameter's row sharding, the mean over the rows (the
 dimension FSDP2 shards) is all-reduced, so replicated. fairseq's step then runs unchanged
-through DTensor dispatch (the optimizer is not elementwise: local_shards.py leaves it there).
+through DTensor dispatch (the optimizer is not elementwise: local_shard_step.py leaves it there).
 Stock checkpoints hold the statistics as full tensors; :func:`state_placements` says how to cut
 them when they are loaded (checkpoint/full_state.py).
 """
@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import torch
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
-from .local_shards import mix_into
+from .local_shard_step import mix_into
 
 #: Optimizers whose state holds factored statistics (module, class name).
 FACTORED = frozenset({("fairseq.optim.adafactor", "Adafactor")})

@@ -2,7 +2,9 @@
 
 ``check_launch`` runs before the process group exists: a world size that the processes on
 hand cannot form, a --save-dir that cannot be created, a --finetune-from-model that is not there
-(or a directory without Hugging Face weights). ``data_error`` turns fairseq's own errors
+(or a directory without Hugging Face weights). ``check_fairseq_flags``: fairseq flags FSDP2 runs
+do not serve. ``weights_will_be_loaded``: whether the model can be built on the meta device.
+``data_error`` turns fairseq's own errors
 for a data directory without the files asked for (raised while the task loads, on every rank
 alike) into one line.
 """
@@ -13,10 +15,16 @@ from typing import Optional
 
 import torch
 
-from .checkpoint import sharded
-from .checkpoint.hf_nllb import INDEX, WEIGHTS, is_hf_source
-from .checkpoint.safe_load import read_checkpoint_file
-from .errors import CheckpointError, OptionError, first_line
+from ..checkpoint import sharded
+from ..checkpoint.safe_load import read_checkpoint_file
+from ..errors import CheckpointError, OptionError, first_line
+from ..hf.nllb_weights import INDEX, WEIGHTS, is_hf_source
+
+# measured with iopath 0.1.10 and torch 2.13: stock fairseq's files are unreadable the same way
+ASYNC_WRITE_REFUSED = (
+    "--write-checkpoints-asynchronously cannot be combined with --ddp-backend fsdp2: fairseq's "
+    "asynchronous writer (iopath) leaves checkpoint files that torch cannot read back (\"failed "
+    "finding central directory\"), so neither a resume nor the consolidated export could use them")
 
 
 def check_launch(cfg, *, launched_per_rank: bool, on_cuda: bool) -> None:
@@ -46,6 +54,48 @@ def check_launch(cfg, *, launched_per_rank: bool, on_cuda: bool) -> None:
                               f"writable directory")
 
 
+def weights_will_be_loaded(cfg) -> bool:
+    """True if fairseq-train will load model weights before training: a fine-tuning source,
+    or an existing checkpoint to resume (fairseq's --restore-file resolution)."""
+    ckpt = cfg.checkpoint
+    if ckpt.finetune_from_model:
+        return True
+    if os.path.isfile(sharded.restore_path(ckpt)):
+        return True
+    # the trainer's rule: without checkpoint_last, a newer complete update checkpoint
+    return ckpt.restore_file == sharded.DEFAULT_RESTORE_FILE and \
+        sharded.newest_complete(ckpt.save_dir, suffix=ckpt.checkpoint_suffix) is not None
+
+
+
+def check_fairseq_flags(cfg) -> None:
+    """Raise OptionError for a fairseq flag FSDP2 runs do not serve (each says why)."""
+    dt = cfg.distributed_training
+    if cfg.common.amp:
+        raise OptionError("--amp cannot be combined with --ddp-backend fsdp2: use --fp16 or "
+                          "--bf16 (FSDP2 mixed precision: fp32 master weights, fp16/bf16 "
+                          "compute)")
+    for flag, name in ((cfg.optimization.use_bmuf, "--use-bmuf"),
+                       (dt.zero_sharding != "none", "--zero-sharding"),
+                       (cfg.common.model_parallel_size > 1, "--model-parallel-size > 1")):
+        if flag:
+            raise OptionError(f"{name} cannot be combined with --ddp-backend fsdp2")
+    if cfg.ema.store_ema:
+        raise OptionError("--store-ema cannot be combined with --ddp-backend fsdp2: fairseq's "
+                          "EMA copies the model and saves the copy from rank 0 alone, which "
+                          "holds only its own shards under FSDP2")
+    if cfg.checkpoint.write_checkpoints_asynchronously:
+        raise OptionError(ASYNC_WRITE_REFUSED)
+    layerdrop = [f"--{side}-layerdrop" for side in ("encoder", "decoder")
+                 if (getattr(cfg.model, f"{side}_layerdrop", 0) or 0) > 0]
+    if layerdrop and dt.distributed_world_size > 1:
+        raise OptionError(f"{' and '.join(layerdrop)} cannot be combined with --ddp-backend "
+                          f"fsdp2 on more than one rank: each rank draws the layers it drops "
+                          f"from its own random state (its batches' dropout has advanced it "
+                          f"differently), while FSDP2 gathers a layer's shards on every rank "
+                          f"together")
+
+
 def data_error(error: BaseException, data: Optional[str]) -> Optional[str]:
     """One line for fairseq's missing-data errors, or None if ``error`` is something else."""
     text = first_line(error, None)
@@ -63,7 +113,7 @@ def data_error(error: BaseException, data: Optional[str]) -> Optional[str]:
 
 def check_other_backend_restore(cfg) -> None:
     """A run of another backend (legacy_ddp, ...) resuming an FSDP2 checkpoint with its
-    optimizer state: fairseq gets the full weights (registration.py's patch 8), but the
+    optimizer state: fairseq gets the full weights (integration/registration.py's patch 8), but the
     optimizer state is FSDP2's shards, which fairseq's optimizers cannot load (it would stop
     with ``KeyError: 'param_groups'`` after building everything)."""
     ckpt = cfg.checkpoint

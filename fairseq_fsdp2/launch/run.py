@@ -1,10 +1,10 @@
 """How an FSDP2 run starts and ends: launch settings, option checks, clean exit.
 
-Wraps fairseq's ``distributed_utils.call_main`` (installed by ``registration.py``):
+Wraps fairseq's ``distributed_utils.call_main`` (installed by ``integration/registration.py``):
 - ``--ddp-backend fully_sharded`` (legacy, fairscale) is served by FSDP2;
 - under torchrun (``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` set) no other distributed flag is needed;
   under SLURM the settings come from SLURM's environment; a plain single process gets a 1-rank
-  group; ranks a task starts itself run this path too (launchers.py);
+  group; ranks a task starts itself run this path too (spawn.py);
 - gloo on CPU, NCCL on CUDA;
 - bad options stop here with one line and exit status 2, before any work;
 - a successful distributed run exits 0: torch's gloo/device-mesh teardown aborts at interpreter
@@ -27,30 +27,24 @@ import torch.distributed as dist
 from fairseq.distributed import utils as fairseq_distributed_utils
 from omegaconf import open_dict
 
-from . import launchers, liveness, meta_init, preflight
-from .checkpoint.consolidate import consolidate_at_end
-from .errors import FSDP2Error, OptionError, RankLostError, TrainingStopped, first_line
-from .options import FSDP2_BACKEND, LEGACY_FSDP_BACKEND, validate
+from ..checkpoint.export import consolidate_at_end
+from ..errors import FSDP2Error, OptionError, RankLostError, TrainingStopped, first_line
+from ..options import FSDP2_BACKEND, LEGACY_FSDP_BACKEND, validate
+from ..sharding import meta_build
+from . import heartbeat, preflight, sigterm, slurm, spawn, torchrun
 
 logger = logging.getLogger(__name__)
 
 TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 DEBUG_ENV = "FAIRSEQ_FSDP2_DEBUG"  # set to 1 for tracebacks instead of one-line errors
-# measured with iopath 0.1.10 and torch 2.13: stock fairseq's files are unreadable the same way
-ASYNC_WRITE_REFUSED = (
-    "--write-checkpoints-asynchronously cannot be combined with --ddp-backend fsdp2: fairseq's "
-    "asynchronous writer (iopath) leaves checkpoint files that torch cannot read back (\"failed "
-    "finding central directory\"), so neither a resume nor the consolidated export could use them")
-
-
 def call_main(fairseq_call_main, cfg, main, **kwargs):
     """Stand-in for fairseq's call_main: prepares FSDP2 runs, leaves other backends alone."""
     save_dir_existed = os.path.exists(cfg.checkpoint.save_dir)
     is_fsdp2 = False
     try:
-        is_fsdp2 = prepare(cfg)
+        is_fsdp2 = set_up_run(cfg)
         if is_fsdp2 and not cfg.distributed_training.distributed_no_spawn:
-            launchers.spawn(cfg, main, kwargs)  # each rank it starts runs this function
+            spawn.spawn(cfg, main, kwargs)  # each rank it starts runs this function
             return
         fairseq_call_main(cfg, main, **kwargs)
         if is_fsdp2:
@@ -68,12 +62,12 @@ def call_main(fairseq_call_main, cfg, main, **kwargs):
         if missing_data:
             _remove_if_created_empty(cfg.checkpoint.save_dir, save_dir_existed)
             _stop(missing_data, 2)
-        beat = liveness.current()
-        if beat is None or not liveness.looks_like_peer_loss(e):
+        beat = heartbeat.current()
+        if beat is None or not heartbeat.looks_like_peer_loss(e):
             raise
         # A peer died or stopped answering: say which.
         logger.error(f"collective failed: {first_line(e, 300)}")
-        _stop(liveness.describe_loss(
+        _stop(heartbeat.describe_loss(
             beat, None if cfg.checkpoint.no_save else cfg.checkpoint.save_dir), 1)
     if is_fsdp2 and dist.is_initialized():
         _exit_cleanly()
@@ -101,7 +95,7 @@ def _asks_for_fsdp2(argv: list[str]) -> bool:
                for a, b in pairs)
 
 
-def prepare(cfg) -> bool:
+def set_up_run(cfg) -> bool:
     """Fill in launch settings for the FSDP2 backend and check the options. True if FSDP2."""
     dt = cfg.distributed_training
     if dt.ddp_backend == LEGACY_FSDP_BACKEND:
@@ -126,8 +120,8 @@ def prepare(cfg) -> bool:
                 dt.distributed_rank = int(os.environ["RANK"])
                 dt.device_id = int(os.environ.get("LOCAL_RANK", 0))
                 dt.distributed_no_spawn = True
-            elif launchers.under_slurm():
-                launchers.slurm_settings(dt, on_cuda)
+            elif slurm.under_slurm():
+                slurm.slurm_settings(dt, on_cuda)
             if dt.distributed_init_method is None and dt.distributed_world_size <= 1:
                 # one process: FSDP2 still needs a process group (a 1-rank mesh)
                 dt.distributed_init_method = f"tcp://127.0.0.1:{_free_port()}"
@@ -137,37 +131,15 @@ def prepare(cfg) -> bool:
         if not on_cuda and dt.distributed_backend == "nccl":
             dt.distributed_backend = "gloo"
     preflight.check_launch(cfg, launched_per_rank=dt.distributed_no_spawn
-                           or launchers.under_slurm(), on_cuda=on_cuda)
+                           or slurm.under_slurm(), on_cuda=on_cuda)
     if dt.distributed_init_method is None and dt.distributed_world_size > 1:
         # several GPUs, one process: fairseq's own single-node settings; spawn() starts the ranks
         fairseq_distributed_utils.infer_init_method(dt)
     validate(dt, min_params_to_wrap=getattr(cfg.model, "min_params_to_wrap", 0),
              fp16=cfg.common.fp16, bf16=cfg.common.bf16,
              world_size=dt.distributed_world_size)
-    if cfg.common.amp:
-        raise OptionError("--amp cannot be combined with --ddp-backend fsdp2: use --fp16 or "
-                          "--bf16 (FSDP2 mixed precision: fp32 master weights, fp16/bf16 "
-                          "compute)")
-    for flag, name in ((cfg.optimization.use_bmuf, "--use-bmuf"),
-                       (dt.zero_sharding != "none", "--zero-sharding"),
-                       (cfg.common.model_parallel_size > 1, "--model-parallel-size > 1")):
-        if flag:
-            raise OptionError(f"{name} cannot be combined with --ddp-backend fsdp2")
-    if cfg.ema.store_ema:
-        raise OptionError("--store-ema cannot be combined with --ddp-backend fsdp2: fairseq's "
-                          "EMA copies the model and saves the copy from rank 0 alone, which "
-                          "holds only its own shards under FSDP2")
-    if cfg.checkpoint.write_checkpoints_asynchronously:
-        raise OptionError(ASYNC_WRITE_REFUSED)
-    layerdrop = [f"--{side}-layerdrop" for side in ("encoder", "decoder")
-                 if (getattr(cfg.model, f"{side}_layerdrop", 0) or 0) > 0]
-    if layerdrop and dt.distributed_world_size > 1:
-        raise OptionError(f"{' and '.join(layerdrop)} cannot be combined with --ddp-backend "
-                          f"fsdp2 on more than one rank: each rank draws the layers it drops "
-                          f"from its own random state (its batches' dropout has advanced it "
-                          f"differently), while FSDP2 gathers a layer's shards on every rank "
-                          f"together")
-    meta_init.enable(meta_init.weights_will_be_loaded(cfg))
+    preflight.check_fairseq_flags(cfg)
+    meta_build.enable(preflight.weights_will_be_loaded(cfg))
     if dt.distributed_no_spawn:  # a rank (not a task that starts ranks)
         _init_process_group(cfg)
         _on_sigterm(cfg)
@@ -175,17 +147,17 @@ def prepare(cfg) -> bool:
 
 
 def _on_sigterm(cfg) -> None:
-    """One line when the launcher stops this rank (launchers.stop_on_sigterm); under torchrun,
+    """One line when the launcher stops this rank (sigterm.py); under torchrun,
     say which attempt this is."""
     save_dir = None if cfg.checkpoint.no_save else cfg.checkpoint.save_dir
-    attempt, max_restarts = launchers.restart_count()
+    attempt, max_restarts = torchrun.restart_count()
     if attempt and os.environ.get("LOCAL_RANK") == "0":
         then = (f"resuming from the newest complete checkpoint in {save_dir}" if save_dir
                 else "starting again (--no-save)")
         logger.warning(f"torchrun restart {attempt} of {max_restarts} "
                        f"(TORCHELASTIC_RESTART_COUNT={attempt}): {then}")
-    beat = liveness.current
-    launchers.stop_on_sigterm(
+    beat = heartbeat.current
+    sigterm.stop_on_sigterm(
         cfg.distributed_training.distributed_rank, save_dir,
         lambda: None if beat() is None else beat().num_updates)
 
@@ -193,7 +165,7 @@ def _on_sigterm(cfg) -> None:
 def _init_process_group(cfg) -> None:
     """Open the process group here (fairseq then finds it initialized and uses it):
     - under torchrun's agent, always, each restart's rendezvous apart from the others'
-      (launchers.init_under_torchrun: what makes ``--max-restarts`` work);
+      (torchrun.init_under_torchrun: what makes ``--max-restarts`` work);
     - with fairseq's ``--heartbeat-timeout N``, with an N-second timeout (fairseq's own init uses
       torch's 30 minutes, and a rank whose peer died before the rendezvous would wait that
       long)."""
@@ -201,14 +173,14 @@ def _init_process_group(cfg) -> None:
     if dist.is_initialized() or dt.distributed_init_method is None:
         return
     timeout = timedelta(seconds=dt.heartbeat_timeout) if dt.heartbeat_timeout > 0 else None
-    agent = launchers.under_torchrun_agent() and dt.distributed_init_method == "env://"
+    agent = torchrun.under_torchrun_agent() and dt.distributed_init_method == "env://"
     if timeout is None and not agent:
         return
     if dt.distributed_backend == "nccl":
         torch.cuda.set_device(dt.device_id)
     try:
         if agent:
-            launchers.init_under_torchrun(dt.distributed_backend, timeout)
+            torchrun.init_under_torchrun(dt.distributed_backend, timeout)
         else:
             dist.init_process_group(backend=dt.distributed_backend,
                                     init_method=dt.distributed_init_method,

@@ -5,21 +5,21 @@ The output holds the full model weights (tied weights under every alias, as fair
 them), cfg and training history, and no sharded or optimizer state, so stock
 ``fairseq-generate``/``fairseq-interactive`` read it without the plugin. Runs on one process
 and no process group (DCP's ``no_dist`` load); it never needs more than one copy of the model.
-
-    python -m fairseq_fsdp2.consolidate CHECKPOINT OUT.pt
+``python -m fairseq_fsdp2.consolidate CHECKPOINT OUT.pt`` (consolidate.py) runs it by hand; the
+end of a run runs it on rank 0 (``consolidate_at_end``).
 """
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import torch
 import torch.distributed.checkpoint as dcp
 
 from ..errors import CheckpointError
 from ..models.nllb import NLLB_SIZES
-from . import hf_nllb, legacy_fairscale, sharded
+from ..hf import nllb_weights as hf_nllb
+from . import legacy_fairscale, sharded
 from .safe_load import read_checkpoint_file
 
 CONSOLIDATED_SUFFIX = "_consolidated.pt"
@@ -70,8 +70,8 @@ def _write(state: dict, model: dict, out: str) -> str:
 
 
 def read_with_full_weights(read, path, *args, **kwargs) -> dict:
-    """Stand-in for fairseq's ``checkpoint_utils.load_checkpoint_to_cpu`` (registration.py),
-    ``read`` being fairseq's: a sharded FSDP2 checkpoint read by anything but the FSDP2
+    """Stand-in for fairseq's ``checkpoint_utils.load_checkpoint_to_cpu``
+    (integration/registration.py), ``read`` being fairseq's: a sharded FSDP2 checkpoint read by anything but the FSDP2
     trainer (fairseq-generate, -validate, -interactive, --load-pretrained-encoder-from, the
     hub interface) gets the full weights, read from its shard directory in this process as
     the consolidated export reads them, where fairseq would find only the reference."""
@@ -152,29 +152,3 @@ def consolidate_at_end(save_dir: str, suffix: str = "") -> list[str]:
         del model  # its only reference: freed before the next one is read
     sharded.remove_unreferenced(save_dir)
     return written
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fairseq_fsdp2.consolidate",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="a checkpoint file saved by --ddp-backend fsdp2, or "
-                        "legacy FSDP's NAME-shard0.pt (or NAME.pt) from --use-sharded-state")
-    parser.add_argument("out", help="the consolidated .pt file to write (with --format hf: the "
-                        "model directory to write; it must not exist or be empty)")
-    parser.add_argument("--format", choices=("fairseq", "hf"), default="fairseq",
-                        help="fairseq: one stock fairseq checkpoint file; hf: a Hugging Face "
-                        "NLLB model directory (config.json, model.safetensors) that "
-                        "transformers' M2M100ForConditionalGeneration.from_pretrained loads")
-    parser.add_argument("--data", help="legacy FSDP shards: the data directory, if it is no "
-                        "longer where the checkpoint's cfg says (to build the model)")
-    args = parser.parse_args(argv)
-    if os.path.abspath(args.out) == os.path.abspath(args.checkpoint):
-        print("fairseq_fsdp2: error: OUT must differ from CHECKPOINT", file=sys.stderr)
-        return 2
-    try:
-        consolidate(args.checkpoint, args.out, args.data, args.format)
-    except CheckpointError as e:
-        print(f"fairseq_fsdp2: error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.out}")
-    return 0

@@ -15,14 +15,11 @@ wanting, and built again normally (logged): correctness first.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 from fairseq.modules.sinusoidal_positional_embedding import SinusoidalPositionalEmbedding
-
-from .checkpoint import sharded
 
 logger = logging.getLogger(__name__)
 
@@ -32,20 +29,7 @@ RECIPES: dict[type, Callable[[nn.Module], dict[str, torch.Tensor]]] = {
         m.weights.shape[0], m.embedding_dim, m.padding_idx)},
 }
 
-_enabled = False  # set by launch.py for the run; read when fairseq builds the model
-
-
-def weights_will_be_loaded(cfg) -> bool:
-    """True if fairseq-train will load model weights before training: a fine-tuning source,
-    or an existing checkpoint to resume (fairseq's --restore-file resolution)."""
-    ckpt = cfg.checkpoint
-    if ckpt.finetune_from_model:
-        return True
-    if os.path.isfile(sharded.restore_path(ckpt)):
-        return True
-    # the trainer's rule: without checkpoint_last, a newer complete update checkpoint
-    return ckpt.restore_file == sharded.DEFAULT_RESTORE_FILE and \
-        sharded.newest_complete(ckpt.save_dir, suffix=ckpt.checkpoint_suffix) is not None
+_enabled = False  # set by launch/run.py for the run; read when fairseq builds the model
 
 
 def enable(on: bool) -> None:
@@ -54,7 +38,7 @@ def enable(on: bool) -> None:
 
 
 def build_model(fairseq_build_model, task, cfg, *args, **kwargs) -> nn.Module:
-    """Stand-in for fairseq's FairseqTask.build_model (registration.py)."""
+    """Stand-in for fairseq's FairseqTask.build_model (integration/registration.py)."""
     if not _enabled:
         return fairseq_build_model(task, cfg, *args, **kwargs)
     with torch.device("meta"):

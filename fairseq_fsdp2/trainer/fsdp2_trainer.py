@@ -18,16 +18,20 @@ from fairseq.optim import lr_scheduler
 from fairseq.trainer import Trainer
 from omegaconf import open_dict
 
-from . import liveness, meta_init, precision, resume, tied_grad
-from .apply import all_unsharded, apply_plan, build_mesh
-from .checkpoint.full_state import install_optimizer_hooks
-from .checkpoint.trainer_io import TrainerCheckpoints
-from .errors import CheckpointError, OutOfMemory, first_line
-from .memory import MemoryMonitor
-from .memory.monitor import describe_last
-from .memory.breakdown import record_update
-from .options import tied_grad_buffer
-from .plan import ShardingPlan, build_plan
+from ..checkpoint.full_state import install_optimizer_hooks
+from ..errors import CheckpointError, OutOfMemory, first_line
+from ..launch import heartbeat
+from ..memory.breakdown import record_update
+from ..memory.monitor import MemoryMonitor, describe_last
+from ..optimizer import mixed_precision
+from ..optimizer.build import build_optimizer
+from ..options import FSDP2_BACKEND, tied_grad_buffer_on
+from ..sharding import meta_build, tied_grad_buffer
+from ..sharding.apply_plan import all_unsharded, apply_plan
+from ..sharding.mesh import build_mesh
+from ..sharding.plan import ShardingPlan, build_plan
+from . import resume
+from .checkpoint_hooks import TrainerCheckpoints
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +40,12 @@ DEFAULT_MIN_PARAMS_TO_WRAP = int(1e8)  # fairseq's default
 
 class FSDP2Trainer(TrainerCheckpoints, Trainer):
     """Trains a model sharded with FSDP2 (``--ddp-backend fsdp2``); its checkpoints:
-    checkpoint/trainer_io.py."""
+    checkpoint_hooks.py."""
 
     def __init__(self, cfg, task, model, criterion, quantizer=None):
         # fairseq's Trainer.__init__ casts the model to fp16/bf16 and refuses --cpu-offload unless
         # the backend is fairscale's. Here the sharded fp32 parameters are the master weights
-        # (precision.py) and --cpu-offload maps to FSDP2's offload, so hide those flags from it.
+        # (optimizer/) and --cpu-offload maps to FSDP2's offload, so hide those flags from it.
         # It also moves the whole model to the device (on GPUs a full copy per rank, and
         # impossible for a meta-device model); fully_shard moves each rank's shards instead.
         self._in_base_init = True
@@ -61,8 +65,8 @@ class FSDP2Trainer(TrainerCheckpoints, Trainer):
             None if cfg.checkpoint.no_save else os.path.join(cfg.checkpoint.save_dir,
                                                              "memory.jsonl"),
             rank=self.data_parallel_rank)
-        # names a lost rank if a collective fails (launch.py reports it)
-        self._heartbeat = liveness.start(self.data_parallel_rank, self.data_parallel_world_size)
+        # names a lost rank if a collective fails (launch/run.py reports it)
+        self._heartbeat = heartbeat.start(self.data_parallel_rank, self.data_parallel_world_size)
 
     # -- wrapping ------------------------------------------------------------------------------
     @property
@@ -79,8 +83,8 @@ class FSDP2Trainer(TrainerCheckpoints, Trainer):
 
     def _shard(self, model):
         dt = self.cfg.distributed_training
-        if tied_grad_buffer(dt):  # before sharding: it changes the tied modules' classes
-            tied_grad.install(model)
+        if tied_grad_buffer_on(dt):  # before sharding: it changes the tied modules' classes
+            tied_grad_buffer.install(model)
         world = dist.get_world_size() if dist.is_initialized() else 1
         plan = build_plan(
             model, world_size=world,
@@ -97,15 +101,16 @@ class FSDP2Trainer(TrainerCheckpoints, Trainer):
         mesh = build_mesh(self.device.type, world, dt.fsdp2_replicate_degree)
         if dt.heartbeat_timeout > 0:
             # fairseq's --heartbeat-timeout: no collective waits longer than this for a peer
-            liveness.set_collective_timeout(dt.heartbeat_timeout, [
+            heartbeat.set_collective_timeout(dt.heartbeat_timeout, [
                 dist.group.WORLD, distributed_utils.get_global_group(), *mesh.get_all_groups()])
-        dtype = precision.compute_dtype(self.cfg.common)
-        precision.cast_float_buffers(model, dtype)
-        apply_plan(model, plan, mesh, mp_policy=precision.mixed_precision_policy(self.cfg.common),
+        dtype = mixed_precision.compute_dtype(self.cfg.common)
+        mixed_precision.cast_float_buffers(model, dtype)
+        apply_plan(model, plan, mesh,
+                   mp_policy=mixed_precision.mixed_precision_policy(self.cfg.common),
                    cpu_offload=dt.cpu_offload)
-        if meta_init.built_on_meta(model):
-            meta_init.materialize(model, self.device,
-                                  torch.device("cpu") if dt.cpu_offload else None)
+        if meta_build.built_on_meta(model):
+            meta_build.materialize(model, self.device,
+                                   torch.device("cpu") if dt.cpu_offload else None)
         model.register_load_state_dict_pre_hook(self._load_sharded_model)
         if dt.fsdp2_no_sync_micro_batches:
             # fairseq's update-freq loop calls model.no_sync() on all but the last micro-batch
@@ -117,7 +122,7 @@ class FSDP2Trainer(TrainerCheckpoints, Trainer):
     def _build_optimizer(self):
         params = [p for p in chain(self.model.parameters(), self.criterion.parameters())
                   if p.requires_grad]
-        self._optimizer = precision.build_optimizer(self.cfg, params)
+        self._optimizer = build_optimizer(self.cfg, params)
         self._optimizer.optimizer.register_load_state_dict_pre_hook(self._load_sharded_optimizer)
         install_optimizer_hooks(self._optimizer.optimizer)
         self._lr_scheduler = lr_scheduler.build_lr_scheduler(self.cfg.lr_scheduler,
@@ -125,7 +130,7 @@ class FSDP2Trainer(TrainerCheckpoints, Trainer):
         self._lr_scheduler.step_update(0)
 
     def clip_grad_norm(self, clip_norm):
-        # The norm comes from grad_norm.py (precision.build_optimizer installs it under
+        # The norm comes from optimizer/grad_norm.py (build_optimizer installs it under
         # fairseq's fp16 wrappers): the global norm over the DTensor gradients, whatever
         # fairseq's own helper would do (apex's local norms, --cpu-offload's CPU gradients).
         try:
@@ -137,13 +142,13 @@ class FSDP2Trainer(TrainerCheckpoints, Trainer):
 
     # -- the step ------------------------------------------------------------------------------
     def _check_weights(self) -> None:
-        if meta_init.built_on_meta(self._model) and not self._weights_loaded:
+        if meta_build.built_on_meta(self._model) and not self._weights_loaded:
             raise CheckpointError("the model was built on the meta device for a checkpoint to "
                                   "fill, but no checkpoint was loaded")
 
     def valid_step(self, sample, raise_oom=False):
         self._check_weights()
-        # --eval-bleu generates: ranks decode for different numbers of steps (apply.py)
+        # --eval-bleu generates: ranks decode for different numbers of steps (apply_plan.py)
         generates = getattr(self.cfg.task, "eval_bleu", False)
         with all_unsharded(self.model) if generates else contextlib.nullcontext():
             return super().valid_step(sample, raise_oom)
@@ -241,7 +246,6 @@ def _flags_hidden(cfg, *paths):
 
 def select_trainer(cfg, task, model, criterion, quantizer=None):
     """What ``fairseq_cli.train`` calls as ``Trainer``: ours for the fsdp2 backend."""
-    from .options import FSDP2_BACKEND
     if cfg.distributed_training.ddp_backend == FSDP2_BACKEND:
         return FSDP2Trainer(cfg, task, model, criterion, quantizer)
     return Trainer(cfg, task, model, criterion, quantizer)

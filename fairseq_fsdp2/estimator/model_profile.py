@@ -2,7 +2,7 @@
 
 ``build_profile`` turns a (meta-device) fairseq model, its sharding plan and a workload into a
 ``ModelProfile``: each unit's parameter shapes, which modules own which unit, and the forward's
-activation events traced on the meta device (see ``estimate.py`` for the modelling rules).
+activation events traced on the meta device (see ``peak.py`` for the modelling rules).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..plan import ROOT, ShardingPlan, build_plan, layer_candidates
+from ..sharding.plan import ROOT, ShardingPlan, build_plan, layer_candidates
 
 
 PRECISIONS = {"fp32": (torch.float32, 4), "fp16": (torch.float16, 2), "bf16": (torch.bfloat16, 2)}
@@ -26,7 +26,7 @@ BACKENDS = ("fsdp2", "legacy_ddp")
 @dataclass
 class UnitSpec:
     name: str
-    kind: str  # ROOT, SHARED or LAYER (plan.py)
+    kind: str  # ROOT, SHARED or LAYER (sharding/plan.py)
     module_paths: tuple[str, ...]
     shapes: list[tuple[int, ...]]
     reshard: object  # plan.Unit.reshard_after_forward
@@ -89,8 +89,8 @@ class _NoPadding(TorchDispatchMode):
 
 
 def unit_specs(model: nn.Module, plan: ShardingPlan) -> list[UnitSpec]:
-    """The plan's units with the shapes of the parameters each manages (same rules as plan.py:
-    inner units first, a parameter belongs to the first unit that reaches it)."""
+    """The plan's units with the shapes of the parameters each manages (same rules as
+    sharding/plan.py: inner units first, a parameter belongs to the first unit that reaches it)."""
     modules = dict(model.named_modules())
     seen: set[int] = set()
     specs = []

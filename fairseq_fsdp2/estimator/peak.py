@@ -1,7 +1,7 @@
 """Predicted per-rank peak memory of one training step, without data, devices or allocation.
 
 Pure and analytic. The model is built by fairseq on the ``meta`` device (no memory); the sharding
-plan (``plan.build_plan``) gives the FSDP2 units and their parameter shapes; one forward pass on
+plan (``sharding/plan.py``) gives the FSDP2 units and their parameter shapes; one forward pass on
 meta tensors, with a saved-tensor hook, gives the order in which modules and units run and the
 activation bytes autograd keeps (in the compute dtype, at the batch shape). A step is then
 *simulated* on a ledger of bytes per category, event by event, the way FSDP2 (torch 2.13) and
@@ -38,23 +38,20 @@ first update (optimizer-state creation, the full model built before sharding) is
 Batches are full (--max-tokens / --seq-len sentences, rounded down to
 --required-batch-size-multiple) and unpadded.
 
-Four modules: ``profile.py`` (the model as data: units, forward trace, workload),
-``simulate.py`` (the step simulator: the ledger, FSDP2's step), ``ddp.py`` (legacy_ddp's step on
-the same ledger), and this one (the estimate per class of ranks, the CPU baseline, the printed
-report).
+The estimator's modules: ``model_profile.py`` (the model as data: units, forward trace,
+workload), ``ledger.py`` (the setup and the ledger), ``fsdp2_step.py`` (FSDP2's step),
+``ddp_step.py`` (legacy_ddp's step on the same ledger), ``from_args.py`` (fairseq-train arguments
+to a setup and a profile), and this one (the estimate per class of ranks, the CPU baseline, the
+printed report).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .profile import (  # noqa: F401  (re-exported: the estimator's API in one place)
-    BACKENDS, PRECISIONS, ForwardTrace, ModelProfile, UnitSpec, Workload, build_profile,
-    resolve, trace_forward, unit_specs, workload_for,
-)
-from .ddp import simulate_ddp  # noqa: F401
-from .simulate import (  # noqa: F401
-    CATEGORIES, OPTIMIZER_STATES, Setup, _unit_sizes, simulate_fsdp2,
-)
+from .ddp_step import simulate_ddp
+from .fsdp2_step import simulate_fsdp2
+from .ledger import CATEGORIES, OPTIMIZER_STATES, Setup, unit_sizes
+from .model_profile import BACKENDS, ModelProfile, Workload
 
 GIB = 1024 ** 3
 
@@ -128,7 +125,7 @@ def estimate(profile: ModelProfile, setup: Setup) -> Estimate:
         shards = setup.world_size // setup.replicate_degree
         groups: dict[tuple, list[int]] = {}
         for r in range(shards):
-            key = tuple(_unit_sizes(u, shards, r)[0] for u in profile.units)
+            key = tuple(unit_sizes(u, shards, r)[0] for u in profile.units)
             groups.setdefault(key, []).append(r)
         groups = {v[0]: [q * shards + r for q in range(setup.replicate_degree) for r in v]
                   for v in groups.values()}
@@ -197,4 +194,27 @@ def format_estimate(est: Estimate) -> str:
     for c in est.classes:
         lines.append(f"peak of {_ranks_label(c.ranks)}: {c.moment}")
     lines.extend(f"note: {n}" for n in est.notes)
+    return "\n".join(lines)
+
+
+def format_summary(estimates: list[Estimate]) -> str:
+    """One row per world size: the largest rank class's peak and breakdown."""
+    rows = [("ranks", "peak/rank GiB", "sharded", "gathered", "grads", "optim", "acts",
+             "logits", "comm", "other", "peak at")]
+    for est in estimates:
+        top = est.classes[0]
+        b = top.breakdown
+        rows.append((str(est.setup.world_size), f"{top.peak_gb:.2f}",
+                     *(f"{b[k] / GIB:.2f}" for k in ("sharded", "gathered", "grads", "optim",
+                                                     "acts", "loss", "comm", "other")),
+                     top.moment))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [f"predicted per-rank peak (largest rank class): "
+             f"{describe_setup(estimates[0].setup).replace(' x 1,', ',')}"]
+    for i, r in enumerate(rows):
+        lines.append("  ".join(v.rjust(w) if j < len(r) - 1 else v
+                               for j, (v, w) in enumerate(zip(r, widths))).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines.extend(f"note: {n}" for n in estimates[0].notes)
     return "\n".join(lines)

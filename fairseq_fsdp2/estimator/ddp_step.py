@@ -1,26 +1,26 @@
 """The memory estimator's step of fairseq's stock legacy_ddp on one rank, on the same ledger as
-FSDP2's (simulate.py): every rank holds the whole model, its gradients and optimizer state."""
+FSDP2's (fsdp2_step.py): every rank holds the whole model, its gradients and optimizer state."""
 from __future__ import annotations
 
 import math
 
-from .profile import ModelProfile
-from .simulate import Setup, _Ledger, _optimizer_states
+from .ledger import Ledger, Setup, optimizer_states
+from .model_profile import ModelProfile
 
 
-def simulate_ddp(profile: ModelProfile, setup: Setup) -> _Ledger:
+def simulate_ddp(profile: ModelProfile, setup: Setup) -> Ledger:
     """fairseq's stock legacy_ddp: every rank holds the whole model, its gradients and state."""
     c = profile.compute_bytes
     work, trace = profile.workload, profile.trace_for(setup.device)
     T, V, d = work.tokens, profile.vocab, profile.embed_dim
     P = profile.total_params
     mixed = c != 4
-    led = _Ledger()
+    led = Ledger()
     led.add("gathered", P * c)  # the full model on every rank
     master = mixed and not setup.memory_efficient_fp16
     if master:
         led.add("sharded", P * 4)  # fairseq's FP16Optimizer: fp32 master copy
-    led.add("optim", _optimizer_states(setup) * P * 4)
+    led.add("optim", optimizer_states(setup) * P * 4)
     led.add("other", profile.buffer_bytes)
     if setup.world_size > 1:
         led.add("comm", P * c)  # LegacyDistributedDataParallel's all-reduce buffer

@@ -1,7 +1,7 @@
 """The sharding plan: which modules become FSDP2 units, with what reshard setting.
 
 Pure: it reads the model's structure and the options and returns data. No collectives, so it is
-unit-testable in one process; ``apply.py`` turns a plan into ``fully_shard`` calls.
+unit-testable in one process; ``apply_plan.py`` turns a plan into ``fully_shard`` calls.
 
 Policy (all of it lives here):
 - fairseq's ``--min-params-to-wrap N``: each transformer layer (an element of a ``layers``
@@ -21,7 +21,7 @@ from typing import Optional, Union
 
 import torch.nn as nn
 
-from .errors import FSDP2Error
+from ..errors import FSDP2Error
 
 ReshardSetting = Union[bool, int, None]
 

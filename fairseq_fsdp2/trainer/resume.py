@@ -19,7 +19,7 @@ import contextlib
 import logging
 import sys
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 

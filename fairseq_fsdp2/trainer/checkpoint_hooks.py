@@ -1,4 +1,4 @@
-"""The FSDP2 trainer's checkpoints: what ``FSDP2Trainer`` (trainer.py) overrides of fairseq's
+"""The FSDP2 trainer's checkpoints: what ``FSDP2Trainer`` (fsdp2_trainer.py) overrides of fairseq's
 Trainer to save and load, as a mixin it inherits first.
 
 fairseq's own save/load code runs unchanged; the model and optimizer entries of its checkpoint
@@ -19,13 +19,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from .. import precision, resume
 from ..errors import CheckpointError, SaveFailed, first_line
+from ..checkpoint import sharded
+from ..checkpoint.full_state import broadcast_full_model
+from ..checkpoint.safe_load import python_numbers, read_checkpoint_file
+from ..checkpoint.shared_dir import check_shared
+from ..hf import nllb_weights as hf_nllb
 from ..memory.monitor import current_gb
-from . import hf_nllb, sharded
-from .full_state import broadcast_full_model
-from .safe_load import python_numbers, read_checkpoint_file
-from .shared_dir import check_shared
+from ..optimizer.loss_scale import restore_scaler_counts, scaler_counts
+from . import resume
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +86,7 @@ class TrainerCheckpoints:
         state["model"] = {sharded.SHARDED: rel, **buffers}  # buffers: tiny, for fairseq's upgrade
         if "last_optimizer_state" in state:
             scale = state["last_optimizer_state"].get("loss_scale")
-            counts = precision.scaler_counts(self.optimizer)
+            counts = scaler_counts(self.optimizer)
             state["last_optimizer_state"] = {sharded.SHARDED: rel,
                                              **({"loss_scale": scale} if scale else {}),
                                              **({"loss_scaler": counts} if counts else {})}
@@ -218,7 +220,7 @@ class TrainerCheckpoints:
         sharded.load_optimizer(self.model, optimizer, sharded.resolve(
             self._loading_from, state_dict[sharded.SHARDED]))
         # fairseq's fp16 wrapper restored the loss scale itself; its window counts are ours
-        precision.restore_scaler_counts(self.optimizer, state_dict.get("loss_scaler"))
+        restore_scaler_counts(self.optimizer, state_dict.get("loss_scaler"))
         return optimizer.state_dict()
 
 

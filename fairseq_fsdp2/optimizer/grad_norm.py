@@ -19,23 +19,14 @@ which NCCL cannot move. Anything else (plain tensors, mixed meshes, partial plac
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .local_shards import local_views, multiply_grads
-
-
-def comm_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
-    """Where a tensor must be for a collective over ``group``: NCCL moves CUDA tensors only
-    (the current CUDA device, which fairseq sets per rank), gloo moves CPU tensors. A group
-    with a CPU backend besides NCCL (``cpu:gloo,cuda:nccl``) takes CPU tensors too."""
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and "cpu:" not in backend:
-        return torch.device("cuda")
-    return torch.device("cpu")
+from ..sharding.mesh import comm_device
+from .local_shard_step import local_views, multiply_grads
 
 
 def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -94,7 +85,7 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float,
         if not local:  # through DTensor dispatch
             torch.nn.utils.clip_grads_with_norm_(params, float(max_norm), norm)
             return norm
-        with local_views(params) as views:  # an elementwise scale: local_shards.py says why
+        with local_views(params) as views:  # an elementwise scale: local_shard_step.py says why
             torch.nn.utils.clip_grads_with_norm_(views, float(max_norm), norm)
     return norm
 
@@ -102,7 +93,7 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float,
 class GlobalGradNorm:
     """Mixin for a fairseq optimizer (``FairseqOptimizer``): its ``clip_grad_norm`` uses
     :func:`clip_grad_norm_` instead of fairseq's helper, and ``multiply_grads`` scales the local
-    shards (local_shards.py). fairseq's fp16 wrappers call the wrapped
+    shards (local_shard_step.py). fairseq's fp16 wrappers call the wrapped
     optimizer's ``clip_grad_norm(0, ...)`` for the (scaled) norm and do their own clipping and
     overflow check around it, so that logic stays fairseq's."""
 

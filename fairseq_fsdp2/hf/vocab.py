@@ -3,7 +3,7 @@
 Hugging Face's ``NllbTokenizer`` numbers its vocabulary the way fairseq's NLLB dictionary does:
 ``<s> <pad> </s> <unk>`` are 0-3, SentencePiece piece ``i`` (``i >= 3``; the model's own ids
 0-2 are its specials) is row ``i + 1`` (HF's "fairseq offset"), the language codes follow the
-pieces in the order of ``FAIRSEQ_LANGUAGE_CODES`` (= ``prepare.NLLB200_LANGS``), then
+pieces in the order of ``FAIRSEQ_LANGUAGE_CODES`` (= ``models.nllb_languages.NLLB200_LANGS``), then
 ``<mask>``; the embedding may have a few more rows than the tokenizer (NLLB-200: 256,206 rows,
 256,204 tokens: fairseq's data-source tags). fairseq writes a language as ``__eng_Latn__``.
 
@@ -17,6 +17,8 @@ import json
 import re
 from pathlib import Path
 from typing import Optional, Sequence
+
+from ..models.nllb_languages import NLLB200_LANGS
 
 SPM_FILE = "sentencepiece.bpe.model"
 CONFIG_FILE = "config.json"
@@ -59,7 +61,6 @@ def expected_rows(directory: Path, rows: int) -> list[Optional[str]]:
     model directory's SentencePiece model and tokenizer files."""
     import sentencepiece as spm
 
-    from .prepare import NLLB200_LANGS
 
     sp = spm.SentencePieceProcessor(model_file=str(directory / SPM_FILE))
     pieces = sp.get_piece_size()
@@ -123,7 +124,6 @@ def dictionary_problem(source: Path, symbols: Sequence[str], rows: int) -> Optio
                         f"{want!r} for its tokenizer: {fix}")
         return None
     # no tokenizer at hand: the languages must be NLLB's block, in NllbTokenizer's order
-    from .prepare import NLLB200_LANGS
 
     index = {s: i for i, s in enumerate(symbols)}
     first = index.get(fairseq_token(NLLB200_LANGS[0]))

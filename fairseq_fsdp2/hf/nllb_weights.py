@@ -28,9 +28,9 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..data import hf_vocab
 from ..errors import CheckpointError
 from .safetensors_io import SafetensorsFile, write
+from .vocab import CONFIG_FILE, dictionary_problem, read_config
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 HF_EMBEDDING = ("model.shared.weight", "model.encoder.embed_tokens.weight",
@@ -48,7 +48,7 @@ def is_hf_source(path: str) -> bool:
     """A Hugging Face model directory (config.json + safetensors) or a .safetensors file."""
     p = Path(path)
     if p.is_dir():
-        return (p / hf_vocab.CONFIG_FILE).is_file() and ((p / WEIGHTS).is_file()
+        return (p / CONFIG_FILE).is_file() and ((p / WEIGHTS).is_file()
                                                          or (p / INDEX).is_file())
     return p.is_file() and p.suffix == ".safetensors"
 
@@ -69,7 +69,7 @@ class HFWeights(Mapping):
     def __init__(self, path: str):
         self.path = path
         p = Path(path)
-        self.config = hf_vocab.read_config(p)
+        self.config = read_config(p)
         if self.config is not None and self.config.get("model_type") != "m2m_100":
             raise CheckpointError(
                 f"{path} is a Hugging Face {self.config.get('model_type')!r} model "
@@ -172,7 +172,7 @@ def open_checked(path: str, model_cfg, own_shapes: dict[str, tuple],
     weights = HFWeights(path)
     rows = weights.shape(FAIRSEQ_EMBEDDING[0])[0]
     problem = check_fits(weights, model_cfg, own_shapes) or \
-        hf_vocab.dictionary_problem(Path(path), symbols, rows)
+        dictionary_problem(Path(path), symbols, rows)
     if problem:
         raise CheckpointError(problem)
     return weights

@@ -7,23 +7,15 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
                                     fully_shard)
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from . import gloo_comms
+from . import gloo_collectives
 from .plan import ShardingPlan
 
 logger = logging.getLogger(__name__)
-
-
-def build_mesh(device_type: str, world_size: int, replicate_degree: int = 1) -> DeviceMesh:
-    """1-D mesh for FSDP, or a (replicate, shard) 2-D mesh for HSDP when replicate_degree > 1."""
-    if replicate_degree > 1:
-        return init_device_mesh(device_type, (replicate_degree, world_size // replicate_degree),
-                                mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
 
 
 def apply_plan(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, *,
@@ -40,7 +32,7 @@ def apply_plan(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, *,
         fully_shard(targets if len(targets) > 1 else targets[0],
                     reshard_after_forward=unit.reshard_after_forward, **kwargs)
     shard_group = mesh.get_group("shard")
-    if gloo_comms.install(model, shard_group):
+    if gloo_collectives.install(model, shard_group):
         logger.info("gloo: FSDP2 all-gathers by broadcast and reduce-scatters by all-reduce "
                     "(gloo's own collectives hold a temporary as large as their output/input)")
     model.register_load_state_dict_pre_hook(_shard_full_tensors)

@@ -19,11 +19,12 @@ import fairseq_cli.train
 from fairseq.dataclass import configs as fairseq_configs
 from hydra.core.config_store import ConfigStore
 
-from . import launch, meta_init
-from .checkpoint.consolidate import read_with_full_weights
-from .checkpoint.safe_load import allow_fairseq_checkpoint_classes
-from .options import FSDP2DistributedTrainingConfig
-from .trainer import select_trainer
+from ..checkpoint.export import read_with_full_weights
+from ..checkpoint.safe_load import allow_fairseq_checkpoint_classes
+from ..launch import run as launch
+from ..options import FSDP2DistributedTrainingConfig
+from ..sharding import meta_build
+from ..trainer.fsdp2_trainer import select_trainer
 
 _installed = False
 
@@ -61,7 +62,7 @@ def install() -> None:
 
     # 3. Launch: fairseq_cli.train and hydra_train start through distributed_utils.call_main;
     #    wrap it to set up torchrun/single-process/gloo launches, check options first, and exit
-    #    cleanly (see launch.py).
+    #    cleanly (see launch/run.py).
     original = fairseq_distributed_utils.call_main
     fairseq_distributed_utils.call_main = functools.wraps(original)(
         functools.partial(launch.call_main, original))
@@ -77,7 +78,7 @@ def install() -> None:
 
     # 6. Model construction: fairseq builds the full model, randomly initialised, on every
     #    rank; for FSDP2 runs that load their weights it is built on the meta device instead
-    #    (meta_init.py). Both base classes of fairseq's tasks implement build_model.
+    #    (sharding/meta_build.py). Both base classes of fairseq's tasks implement build_model.
     for task_class in (fairseq.tasks.FairseqTask, fairseq.tasks.LegacyFairseqTask):
         task_class.build_model = _meta_aware(task_class.build_model)
 
@@ -100,7 +101,7 @@ def install() -> None:
 def _meta_aware(fairseq_build_model):
     @functools.wraps(fairseq_build_model)
     def build_model(task, cfg, *args, **kwargs):
-        return meta_init.build_model(fairseq_build_model, task, cfg, *args, **kwargs)
+        return meta_build.build_model(fairseq_build_model, task, cfg, *args, **kwargs)
     return build_model
 
 
@@ -115,8 +116,8 @@ def _atomic_copy(copy, src_path: str, dst_path: str, overwrite: bool = False) ->
 
 
 def install_hydra_add_defaults(add_defaults) -> None:
-    """For the hydra entry point only (hydra_train.py): fairseq's hydra main fills in the
-    registered dataclasses' defaults with `add_defaults`, looked up when it runs, which
+    """For the hydra entry point only (hydra_train.py, hydra_config.py): fairseq's hydra main
+    fills in the registered dataclasses' defaults with `add_defaults`, looked up when it runs, which
     cannot set up argparse-only tasks and architectures (translation_multi_simple_epoch, the
     NLLB archs). Use the entry point's version, which also converts those nodes."""
     import fairseq_cli.hydra_train

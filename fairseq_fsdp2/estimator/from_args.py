@@ -1,0 +1,105 @@
+"""fairseq-train's arguments (parsed by fairseq's parser, with the plugin's options and the
+estimator's own, ``python -m fairseq_fsdp2.estimate``) turned into the estimator's setup and the
+model's profile, built on the meta device."""
+from __future__ import annotations
+
+import torch
+from fairseq import tasks
+from fairseq.data import Dictionary
+
+from ..launch import preflight
+from ..options import FSDP2_BACKEND, LEGACY_FSDP_BACKEND, tied_grad_buffer_on
+from .ledger import Setup
+from .model_profile import ModelProfile, build_profile, workload_for
+from .peak import Estimate, estimate
+
+DEFAULT_SEQ_LEN = 128
+DDP_BACKENDS = ("legacy_ddp", "no_c10d")
+
+
+def precision_of(args) -> str:
+    if getattr(args, "bf16", False):
+        return "bf16"
+    if getattr(args, "fp16", False) or getattr(args, "memory_efficient_fp16", False):
+        return "fp16"
+    return "fp32"
+
+
+def backend_of(args) -> str:
+    backend = args.ddp_backend
+    if backend in (FSDP2_BACKEND, LEGACY_FSDP_BACKEND):
+        return "fsdp2"
+    if backend in DDP_BACKENDS:
+        return "legacy_ddp"
+    raise SystemExit(f"fairseq_fsdp2.estimate: error: --ddp-backend {backend} is not modelled "
+                     f"(use fsdp2, fully_sharded or legacy_ddp)")
+
+
+def setup_for(args, world_size: int) -> Setup:
+    replicate = args.replicate_degree or getattr(args, "fsdp2_replicate_degree", 1) or 1
+    device = args.device or ("cpu" if getattr(args, "cpu", False) else "cuda")
+    criterion = getattr(args, "criterion", "")
+    chunk = getattr(args, "loss_chunk_tokens", 0) if criterion.endswith("_chunked") else 0
+    return Setup(
+        backend=backend_of(args), world_size=world_size,
+        replicate_degree=replicate if backend_of(args) == "fsdp2" else 1,
+        precision=precision_of(args), root_reshard=getattr(args, "fsdp2_root_reshard", "default"),
+        no_reshard_after_forward=bool(getattr(args, "no_reshard_after_forward", False)),
+        reshard_degree=getattr(args, "fsdp2_reshard_degree", 0) or 0,
+        optimizer=getattr(args, "optimizer", "adam") or "adam",
+        momentum=float(getattr(args, "momentum", 0.0) or 0.0),
+        loss_chunk_tokens=int(chunk or 0), device=device, cpu_baseline_gb=args.cpu_baseline_gb,
+        cpu_offload=bool(getattr(args, "cpu_offload", False)),
+        update_freq=int((getattr(args, "update_freq", None) or [1])[0]),
+        no_sync=bool(getattr(args, "fsdp2_no_sync_micro_batches", False)),
+        checkpoint_activations=bool(getattr(args, "checkpoint_activations", False)),
+        memory_efficient_fp16=bool(getattr(args, "memory_efficient_fp16", False)),
+        tied_grad_buffer=tied_grad_buffer_on(args))
+
+
+def build_task(args):
+    """The task with its dictionaries: DATA's, or a synthetic one of --vocab-size entries."""
+    if args.vocab_size:
+        from fairseq.tasks.translation import TranslationTask
+
+        d = Dictionary()
+        for i in range(args.vocab_size - len(d)):
+            d.add_symbol(f"w{i}")
+        args.source_lang = args.source_lang or "src"
+        args.target_lang = args.target_lang or "tgt"
+        return TranslationTask(args, d, d)
+    try:
+        return tasks.setup_task(args)
+    except Exception as e:  # noqa: BLE001 - a missing DATA becomes one line, others propagate
+        problem = preflight.data_error(e, getattr(args, "data", None))
+        if problem is None:
+            raise
+        raise SystemExit(f"fairseq_fsdp2.estimate: error: {problem}, or give --vocab-size V "
+                         f"instead of DATA") from None
+
+
+def build_meta_model(args):
+    task = build_task(args)
+    with torch.device("meta"):
+        return task.build_model(args)
+
+
+def profile_for(args, model=None) -> ModelProfile:
+    model = model if model is not None else build_meta_model(args)
+    setup = setup_for(args, 1)
+    workload = workload_for(args.max_tokens, args.batch_size, args.seq_len,
+                            getattr(args, "required_batch_size_multiple", 8))
+    return build_profile(
+        model, workload, precision=setup.precision,
+        min_params_to_wrap=int(getattr(args, "min_params_to_wrap", int(1e8))),
+        checkpoint_activations=setup.checkpoint_activations,
+        no_reshard_after_forward=setup.no_reshard_after_forward,
+        reshard_degree=setup.reshard_degree, root_reshard=setup.root_reshard,
+        chunked_loss=setup.loss_chunk_tokens > 0)
+
+
+def estimates(args) -> list[Estimate]:
+    """The estimate at every world size asked for (``--world-size``, or the run's own)."""
+    profile = profile_for(args)
+    sizes = args.world_size or [max(getattr(args, "distributed_world_size", 1) or 1, 1)]
+    return [estimate(profile, setup_for(args, w)) for w in sizes]

@@ -1,0 +1,104 @@
+"""The estimator's ledger: the run's setup, and bytes alive per category through a simulated
+step (fsdp2_step.py, ddp_step.py), with the largest total seen."""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Optional
+
+from .model_profile import UnitSpec
+
+
+#: Categories of the breakdown, in print order (key, label).
+CATEGORIES = (
+    ("sharded", "sharded parameters"),
+    ("gathered", "gathered parameters"),
+    ("grads", "gradients"),
+    ("optim", "optimizer state"),
+    ("acts", "activations"),
+    ("loss", "logits/loss temporaries"),
+    ("comm", "communication buffers"),
+    ("other", "other"),
+)
+
+
+@dataclass
+class Setup:
+    """The run's options that change memory (fairseq-train flags, in plain values)."""
+
+    backend: str = "fsdp2"
+    world_size: int = 1
+    replicate_degree: int = 1
+    precision: str = "fp32"
+    root_reshard: str = "default"
+    no_reshard_after_forward: bool = False
+    reshard_degree: int = 0
+    optimizer: str = "adam"
+    momentum: float = 0.0
+    loss_chunk_tokens: int = 0  # 0: the stock criterion
+    device: str = "cuda"
+    cpu_baseline_gb: Optional[float] = None  # None: cpu_baseline_bytes(vocab)
+    cpu_offload: bool = False
+    update_freq: int = 1
+    no_sync: bool = False
+    checkpoint_activations: bool = False
+    memory_efficient_fp16: bool = False
+    tied_grad_buffer: bool = False  # --fsdp2-tied-grad-buffer: one gradient for all uses
+
+
+class Ledger:
+    """Bytes alive per category; ``moment`` records the largest total seen (with transients)."""
+
+    def __init__(self):
+        self.now: Counter = Counter()
+        self.peak_total = -1
+        self.peak: dict[str, int] = {}
+        self.peak_moment = ""
+        self.max: Counter = Counter()  # each category's largest value at any moment
+
+    def add(self, category: str, nbytes: int) -> None:
+        self.now[category] += nbytes
+
+    def sub(self, category: str, nbytes: int) -> None:
+        self.now[category] -= nbytes
+
+    def moment(self, name: str, **transient: int) -> None:
+        snap = Counter(self.now)
+        for k, v in transient.items():
+            snap[k] += v
+        total = sum(snap.values())
+        for k, v in snap.items():
+            self.max[k] = max(self.max[k], v)
+        if total > self.peak_total:
+            self.peak_total, self.peak_moment = total, name
+            self.peak = {k: int(snap.get(k, 0)) for k, _ in CATEGORIES}
+
+
+def shard_rows(n: int, shards: int, rank: int) -> tuple[int, int]:
+    """(rows on ``rank``, padded rows per rank) when FSDP2 shards dim 0 of size n."""
+    chunk = -(-n // shards)
+    return max(0, min(chunk, n - rank * chunk)), chunk
+
+
+def unit_sizes(unit: UnitSpec, shards: int, rank: int) -> tuple[int, int, int]:
+    """(elements on this rank, padded unsharded elements, largest single-param shard)."""
+    local = padded = largest = 0
+    for shape in unit.shapes:
+        rest = math.prod(shape[1:])
+        rows, chunk = shard_rows(shape[0], shards, rank)
+        local += rows * rest
+        padded += chunk * shards * rest
+        largest = max(largest, rows * rest)
+    return local, padded, largest
+
+
+#: Optimizers whose state the simulator counts: fp32 copies of each parameter (shard) kept.
+#: Any other is counted as Adam (two), and the estimate says so (peak.py).
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "cpu_adam": 2, "nag": 1, "adagrad": 1, "sgd": 1}
+
+
+def optimizer_states(setup: Setup) -> int:
+    if setup.optimizer == "sgd" and not setup.momentum:
+        return 0
+    return OPTIMIZER_STATES.get(setup.optimizer, 2)

@@ -86,7 +86,7 @@ Each option can also be set by the environment variable in brackets; an option w
                           1000 --log-format json --fsdp2-replicate-degree 2
 
 Several nodes: run the printed fairseq-train flags under your own torchrun (--nnodes,
---rdzv-endpoint) or SLURM; see README.md.
+--rdzv-endpoint) or SLURM; see docs/launching.md.
 EOF
 }
 

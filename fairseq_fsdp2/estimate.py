@@ -19,45 +19,16 @@ breakdown. Nothing is allocated: the model is built on the meta device (see esti
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Optional, Sequence
 
-from fairseq import options
-
 from .estimator import from_args
-from .estimator.from_args import DEFAULT_SEQ_LEN
-from .estimator.peak import CPU_BASELINE_GB, Estimate, format_summary
-
-
-def add_estimator_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("memory estimate (python -m fairseq_fsdp2.estimate)")
-    group.add_argument("--world-size", type=int, nargs="+", default=None,
-                       help="number of ranks; several values print one row each "
-                            "(default: --distributed-world-size)")
-    group.add_argument("--replicate-degree", type=int, default=None,
-                       help="HSDP replicas (default: --fsdp2-replicate-degree)")
-    group.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                       help="cpu: peak resident memory incl. the runtime baseline; cuda: "
-                            "allocator peak (default: cpu with --cpu, else cuda)")
-    group.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN,
-                       help="tokens per sentence, source and target (default 128)")
-    group.add_argument("--vocab-size", type=int, default=None,
-                       help="dictionary size to build the model with, instead of DATA's")
-    group.add_argument("--cpu-baseline-gb", type=float, default=None,
-                       help=f"CPU runtime baseline in GiB (default: {CPU_BASELINE_GB} plus the "
-                            f"dictionaries, measured on this project's machine)")
-
-
-def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = options.get_training_parser()
-    add_estimator_args(parser)
-    return options.parse_args_and_arch(parser, list(argv) if argv is not None else None)
+from .estimator.peak import Estimate, format_summary
 
 
 def estimate_args(argv: Sequence[str]) -> list[Estimate]:
     """Parse fairseq-train arguments (+ the estimator's) and estimate every world size."""
-    return from_args.estimates(parse(argv))
+    return from_args.estimates(from_args.parse(argv))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import socket
 import statistics
 import subprocess
@@ -286,8 +287,8 @@ def write_report(path: Path, png: Path, rows: list[dict], info: dict, setup: dic
         "# Memory and speed: fairseq legacy_ddp vs the FSDP2 backend",
         "",
         "Written by `scripts/benchmark.py` (one run, same data and batch for every row). "
-        "Regenerate with `.venv/bin/python scripts/benchmark.py"
-        + (" --nllb-600m" if big else "") + "`.",
+        f"Command: `{setup.get('command', '.venv/bin/python scripts/benchmark.py')}` "
+        f"({setup.get('date', 'date not recorded')}).",
         "",
         f"Machine: {info['cores']} cores ({info['cpu'] or info['machine']}), "
         f"{info['memory_gib']} GiB, no GPU. Python {info['python']}, torch {info['torch']}, "
@@ -377,10 +378,7 @@ def speed_notes(rows: list[dict]) -> list[str]:
     return notes
 
 
-def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2:])
-        return 0
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", default="/tmp/fairseq_fsdp2_benchmark",
                         help="corpus and scratch directory")
@@ -398,7 +396,14 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--report-only", metavar="BENCHMARK_JSON", default=None,
                         help="rewrite the report and chart from a saved benchmark.json")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2:])
+        return 0
+    args = build_parser().parse_args()
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -427,12 +432,11 @@ def main() -> int:
                                     work, args.big_max_tokens, args.big_updates, args.timeout))
     print(f"benchmark: {time.time() - started:.0f}s", flush=True)
 
-    from fairseq_fsdp2 import estimate as estimator
-    from fairseq_fsdp2.estimator.from_args import build_meta_model
+    from fairseq_fsdp2.estimator.from_args import build_meta_model, parse
     from fairseq_fsdp2.estimator.peak import cpu_baseline_bytes
     from fairseq_fsdp2.memory.charts import plot_benchmark
 
-    model = build_meta_model(estimator.parse(
+    model = build_meta_model(parse(
         train_args(data, REDUCED, CONFIGS["legacy_ddp"], args.max_tokens, 1, work)))
     params = sum(p.numel() for p in model.parameters())
     embed = model.encoder.embed_tokens.weight.numel()
@@ -462,7 +466,9 @@ def main() -> int:
         "small; on the real 600M the layers are 57% of the parameters and the legacy plan "
         "keeps all of them gathered (see the estimator's NLLB table in the README).",
     ]
-    setup = {"max_tokens": args.max_tokens, "updates": args.updates,
+    setup = {"command": shlex.join([".venv/bin/python", "scripts/benchmark.py", *sys.argv[1:]]),
+             "date": time.strftime("%Y-%m-%d"),
+             "max_tokens": args.max_tokens, "updates": args.updates,
              "big_max_tokens": args.big_max_tokens, "big_updates": args.big_updates,
              "reduced_params": params, "reduced_embed_pct": 100 * embed / params,
              "baseline_gb": cpu_baseline_bytes(NLLB_VOCAB) / 2 ** 30, "notes": notes}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -88,9 +89,9 @@ def worker_with_probe(argv: list[str]) -> None:
 
 def report(rows: list[dict], args, info: dict, load: str) -> str:
     lines = [BEGIN, "## The vocabulary loss: stock vs fused chunked, chunk-size sweep", "",
-             f"Written by `scripts/benchmark_loss.py` (one run, rows interleaved per rank count; "
-             f"regenerate with `.venv/bin/python scripts/benchmark_loss.py"
-             f"{' --baseline-plugin DIR' if args.baseline_plugin else ''}`). Machine: "
+             f"Written by `scripts/benchmark_loss.py` (one run, rows interleaved per rank count). "
+             f"Command: `{shlex.join(['.venv/bin/python', 'scripts/benchmark_loss.py', *sys.argv[1:]])}` "
+             f"({time.strftime('%Y-%m-%d')}). Machine: "
              f"{info['cores']} cores ({info['cpu']}), {info['memory_gib']} GiB; Python "
              f"{info['python']}, torch {info['torch']}, fairseq-fixed {info['fairseq']}; fp32, "
              f"Adam. The reduced NLLB-shaped model above, `--max-tokens {args.max_tokens}` per "
@@ -123,10 +124,7 @@ def report(rows: list[dict], args, info: dict, load: str) -> str:
     return "\n".join(lines + ["", END])
 
 
-def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker_with_probe(sys.argv[2:])
-        return 0
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", default="/tmp/fairseq_fsdp2_benchmark")
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
@@ -139,7 +137,14 @@ def main() -> int:
     parser.add_argument("--baseline-plugin", default=None,
                         help="an earlier fairseq_fsdp2 directory: its chunked loss runs too")
     parser.add_argument("--timeout", type=float, default=1200)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker_with_probe(sys.argv[2:])
+        return 0
+    args = build_parser().parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     sentences = args.updates * max(args.ranks) * (args.max_tokens // bench.SEQ) + 400

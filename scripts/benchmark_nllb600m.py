@@ -8,9 +8,7 @@ Reports each rank's measured peak (the largest logged mem_peak_gb_max from updat
 the estimator's prediction for the same command line and the analytic floor: the fp32 shards of
 parameters, gradients and Adam's two moments (16 bytes x parameters / ranks), one gathered
 copy of the shared embedding, one embedding-sized gradient, and the process's runtime baseline.
-Also the estimator's prediction for the seed scenario (two 24 GB GPUs, `--max-tokens 4096
---fp16`): fairseq's stock criterion, no tied-gradient buffer, the root kept gathered (before)
-against the recipe's settings (after).
+(The GPU predictions for the same model are tables of their own: scripts/predicted_tables.py.)
 
 Replaces the section between the markers in docs/benchmarks.md.
 
@@ -21,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -39,10 +38,6 @@ def recipe(chunk: int) -> list[str]:
             "--loss-chunk-tokens", str(chunk)]
 
 
-BEFORE = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", "--fsdp2-no-tied-grad-buffer",
-          "--criterion", "label_smoothed_cross_entropy"]
-
-
 def floor_gb(model, world: int) -> dict:
     """The analytic floor per rank, by part (GiB)."""
     from fairseq_fsdp2.estimator.peak import cpu_baseline_bytes
@@ -56,18 +51,6 @@ def floor_gb(model, world: int) -> dict:
     parts["total"] = sum(parts.values())
     parts["params"] = params
     return parts
-
-
-def seed_scenario(data: Path, work: Path) -> dict:
-    """The estimator's per-GPU peak for 2 x NLLB-600M GPUs, --max-tokens 4096 --fp16."""
-    from fairseq_fsdp2 import estimate as estimator
-    out = {}
-    for name, flags in (("before", BEFORE), ("after", recipe(RECIPE_CHUNK))):
-        args = bench.train_args(data, bench.NLLB_600M, flags, 4096, 1, work / "unused")
-        (prediction,) = estimator.estimate_args(
-            args + ["--memory-efficient-fp16", "--world-size", "2", "--device", "cuda"])
-        out[name] = round(prediction.peak_gb, 2)
-    return out
 
 
 def run(data: Path, work: Path, args) -> dict:
@@ -98,15 +81,15 @@ def run(data: Path, work: Path, args) -> dict:
     return row
 
 
-def report(row: dict, seed: dict, info: dict) -> str:
+def report(row: dict, info: dict) -> str:
     f = row["floor"]
     parts = ", ".join(f"{k} {v:.2f}" for k, v in f.items() if k not in ("total", "params"))
     ratio = row["peak_gb"] / f["total"]
     goal = 1.07 * f["total"]
     lines = [
         BEGIN, "## Real NLLB-600M dimensions, 2 ranks, the recipe's memory settings", "",
-        f"Written by `scripts/benchmark_nllb600m.py` (regenerate with `.venv/bin/python "
-        f"scripts/benchmark_nllb600m.py`). Machine: {info['cores']} cores ({info['cpu']}), "
+        f"Command: `{row.get('command', '.venv/bin/python scripts/benchmark_nllb600m.py')}` "
+        f"({row.get('date', 'date not recorded')}). Machine: {info['cores']} cores ({info['cpu']}), "
         f"{info['memory_gib']} GiB; Python {info['python']}, torch {info['torch']}, "
         f"fairseq-fixed {info['fairseq']}; gloo, fp32, Adam; load average {row['load']:.1f} at "
         f"the start. `transformer_nllb_600m` with the 256,206-word vocabulary "
@@ -132,19 +115,11 @@ def report(row: dict, seed: dict, info: dict) -> str:
         "gradient (the floor's embedding gradient), FSDP2's reduce-scatter input (where the "
         "gathered embedding was) and output, and every other sharded gradient; during the "
         "loss's forward no sharded gradient exists yet, while the activations saved for "
-        "backward and one chunk of logits (chunk tokens x 256,206 fp32) do.", "",
-        f"Seed scenario (NLLB-600M on two 24 GB GPUs, `--max-tokens 4096 --fp16`, Adam; "
-        f"estimator, CUDA allocator bytes, a prediction until measured on GPUs): stock "
-        f"criterion, no tied-gradient buffer, root kept gathered (the recipe before) "
-        f"**{seed['before']:.2f} GiB** per GPU; the recipe's settings **{seed['after']:.2f} "
-        f"GiB**.", "", END]
+        "backward and one chunk of logits (chunk tokens x 256,206 fp32) do.", "", END]
     return "\n".join(lines)
 
 
-def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        bench.worker(sys.argv[2:])
-        return 0
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", default="/tmp/fairseq_fsdp2_benchmark_600m")
     parser.add_argument("--out", default=str(bench.ROOT / "docs" / "benchmarks.md"))
@@ -155,7 +130,14 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=2400)
     parser.add_argument("--report-only", metavar="JSON", default=None,
                         help="rewrite the report from a saved benchmark_nllb600m.json")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        bench.worker(sys.argv[2:])
+        return 0
+    args = build_parser().parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     if args.report_only:
@@ -165,9 +147,11 @@ def main() -> int:
         data = bench.make_corpus(work / f"corpus{sentences}", sentences)
         bench.__file__ = str(Path(__file__).resolve())  # the workers run this script's --worker
         row = run(data, work, args)
-        row["seed"] = seed_scenario(data, work)
+        row["command"] = shlex.join([".venv/bin/python", "scripts/benchmark_nllb600m.py",
+                                     *sys.argv[1:]])
+        row["date"] = time.strftime("%Y-%m-%d")
         (work / "benchmark_nllb600m.json").write_text(json.dumps(row, indent=1))
-    text = report(row, row["seed"], bench.versions())
+    text = report(row, bench.versions())
     bench.replace_section(Path(args.out), BEGIN, END, text)
     print(text)
     return 0

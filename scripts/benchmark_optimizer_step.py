@@ -1,16 +1,17 @@
-"""(not a test; `.venv/bin/python scripts/benchmark_optimizer_step.py`, env TENSORS, ELEMENTS,
-STEPS) The CPU time of the optimizer's part of an update on FSDP2 parameters: fairseq's
+"""(not a test; `.venv/bin/python scripts/benchmark_optimizer_step.py [--tensors N] [--elements N]
+[--steps N]`) The CPU time of the optimizer's part of an update on FSDP2 parameters: fairseq's
 ``multiply_grads``, the global-norm clipping and fairseq's Adam step, done through DTensor dispatch
 (the path before optimizer/local_shard_step.py) and on the local shards (the plugin's path), side by side in one
 process, interleaved, medians.
 
-The cost measured is per tensor operation, not per element: TENSORS defaults to NLLB-600M's
+The cost measured is per tensor operation, not per element: --tensors defaults to NLLB-600M's
 parameter tensor count (509: 12 + 12 layers, the shared embedding, 2 final
-layer norms; their sizes add up to its 615,073,792 parameters) and ELEMENTS keeps each small so
+layer norms; their sizes add up to its 615,073,792 parameters) and --elements keeps each small so
 that the arithmetic does not hide it, as on a GPU, where it runs asynchronously and the CPU's
 dispatch is what the step waits for. One rank (gloo): DTensor's dispatch costs the same at any
 world size.
 """
+import argparse
 import os
 import statistics
 import sys
@@ -44,13 +45,23 @@ def optimizer(params, dtensor_path: bool):
     return build_optimizer(cfg, params, local_shards=not dtensor_path)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="The CPU time of the optimizer's part of an update "
+                                     "on FSDP2 parameters, DTensor dispatch vs local shards")
+    parser.add_argument("--tensors", type=int, default=509,
+                        help="parameter tensors (default: NLLB-600M's 509)")
+    parser.add_argument("--elements", type=int, default=64, help="elements per tensor")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps (first dropped)")
+    return parser
+
+
 def main() -> None:
+    args = build_parser().parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29571")
     dist.init_process_group("gloo", rank=0, world_size=1)
     init_device_mesh("cpu", (1,))
-    tensors, elements = int(os.environ.get("TENSORS", 509)), int(os.environ.get("ELEMENTS", 64))
-    steps = int(os.environ.get("STEPS", 20))
+    tensors, elements, steps = args.tensors, args.elements, args.steps
     runs = {}
     for name, dtensor_path in (("DTensor dispatch", True), ("local shards", False)):
         m = model(tensors, elements)

@@ -155,7 +155,7 @@ def test_sharded_and_optimizer_bytes_equal_a_real_two_rank_checkpoint(corpus, tm
     header = torch.load(save / "checkpoint_last.pt", weights_only=True)["fsdp2"]
     real = shard_bytes_per_rank(save / header["shards"], header["aliases"])
     (prediction,) = cli.estimate_args(args + ["--world-size", "2"])
-    model = from_args.build_meta_model(cli.parse(args))
+    model = from_args.build_meta_model(from_args.parse(args))
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     buffers = sum(t.numel() * t.element_size() for n, t in model.state_dict().items()
                   if n not in params)
@@ -223,7 +223,7 @@ def test_tied_gradient_buffer_keeps_one_embedding_gradient():
              "512", "--fsdp2-root-reshard", "always"]
     ledgers = []
     for extra in (["--fsdp2-no-tied-grad-buffer"], []):
-        args = cli.parse(nllb_args("transformer_nllb_600m", *flags, *extra))
+        args = from_args.parse(nllb_args("transformer_nllb_600m", *flags, *extra))
         setup = from_args.setup_for(args, 2)
         assert setup.tied_grad_buffer == (not extra)
         ledgers.append(simulate_fsdp2(from_args.profile_for(args), setup))
@@ -259,7 +259,7 @@ def test_legacy_ddp_and_chunked_loss():
     base = ["unused-data", "--task", "translation", "--vocab-size", str(NLLB_VOCAB), *small]
     one, two = cli.estimate_args(base + ["--ddp-backend", "legacy_ddp",
                                          "--world-size", "1", "2"])
-    params = sum(p.numel() for p in from_args.build_meta_model(cli.parse(base)).parameters())
+    params = sum(p.numel() for p in from_args.build_meta_model(from_args.parse(base)).parameters())
     # every rank holds the model; from 2 ranks, also fairseq's model-sized all-reduce buffer
     assert two.classes[0].breakdown["comm"] == params * 4
     assert two.peak - one.peak == params * 4
@@ -333,7 +333,7 @@ def saved_bytes_on_cpu(model, batch: int, seq: int) -> int:
 
 
 def test_meta_trace_counts_what_a_real_forward_saves():
-    args = cli.parse(["unused-data", "--task", "translation", "--vocab-size", "64",
+    args = from_args.parse(["unused-data", "--task", "translation", "--vocab-size", "64",
                       "--arch", "transformer_nllb_tiny", "--max-tokens", "168",
                       "--seq-len", "21"])
     torch.manual_seed(0)

@@ -3,18 +3,46 @@ estimator's own, ``python -m fairseq_fsdp2.estimate``) turned into the estimator
 model's profile, built on the meta device."""
 from __future__ import annotations
 
+import argparse
+from typing import Optional, Sequence
+
 import torch
-from fairseq import tasks
+from fairseq import options, tasks
 from fairseq.data import Dictionary
 
 from ..launch import preflight
 from ..options import FSDP2_BACKEND, LEGACY_FSDP_BACKEND, tied_grad_buffer_on
 from .ledger import Setup
 from .model_profile import ModelProfile, build_profile, workload_for
-from .peak import Estimate, estimate
+from .peak import CPU_BASELINE_GB, Estimate, estimate
 
 DEFAULT_SEQ_LEN = 128
 DDP_BACKENDS = ("legacy_ddp", "no_c10d")
+
+
+def add_estimator_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("memory estimate (python -m fairseq_fsdp2.estimate)")
+    group.add_argument("--world-size", type=int, nargs="+", default=None,
+                       help="number of ranks; several values print one row each "
+                            "(default: --distributed-world-size)")
+    group.add_argument("--replicate-degree", type=int, default=None,
+                       help="HSDP replicas (default: --fsdp2-replicate-degree)")
+    group.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                       help="cpu: peak resident memory incl. the runtime baseline; cuda: "
+                            "allocator peak (default: cpu with --cpu, else cuda)")
+    group.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN,
+                       help="tokens per sentence, source and target (default 128)")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="dictionary size to build the model with, instead of DATA's")
+    group.add_argument("--cpu-baseline-gb", type=float, default=None,
+                       help=f"CPU runtime baseline in GiB (default: {CPU_BASELINE_GB} plus the "
+                            f"dictionaries, measured on this project's machine)")
+
+
+def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = options.get_training_parser()
+    add_estimator_args(parser)
+    return options.parse_args_and_arch(parser, list(argv) if argv is not None else None)
 
 
 def precision_of(args) -> str:

@@ -1,0 +1,126 @@
+"""The predicted tables of the docs, made by the estimator: every predicted figure a user reads
+comes from an estimator command recorded beside its table, so it can be traced and re-run.
+
+A table sits in a document between ``<!-- predicted: NAME -->`` and ``<!-- predicted: end -->``:
+the table, then the command of each row. ``scripts/predicted_tables.py`` rewrites every block
+from ``TABLES``; ``tests/test_predicted_tables.py`` fails when a block differs from what the
+estimator prints today (a figure that went stale, a command that changed).
+"""
+from __future__ import annotations
+
+import functools
+import re
+import shlex
+from dataclasses import dataclass
+
+from .from_args import estimates, parse
+
+ESTIMATE = "python -m fairseq_fsdp2.estimate"
+END = "<!-- predicted: end -->"
+
+#: NLLB-200's dictionary and the GPU runs the tables are about: fp16, 4096 tokens per GPU, Adam.
+NLLB_GPU = ("unused", "--task", "translation", "--vocab-size", "256206", "--ddp-backend",
+            "fsdp2", "--optimizer", "adam", "--max-tokens", "4096", "--fp16")
+#: The fine-tuning recipe's memory settings (scripts/finetune_nllb.sh, configs/): one unit per
+#: layer, the chunked loss (256 tokens), root reshard, the tied-gradient buffer (its default).
+RECIPE = ("--min-params-to-wrap", "1", "--criterion", "label_smoothed_cross_entropy_chunked",
+          "--loss-chunk-tokens", "256", "--fsdp2-root-reshard", "always")
+#: Before the recipe had them: NLLB's own wrapping threshold and fairseq's criterion, the
+#: stock tied gradients, PyTorch's root default.
+STOCK = ("--min-params-to-wrap", "100000000", "--criterion", "label_smoothed_cross_entropy",
+         "--fsdp2-root-reshard", "default", "--fsdp2-no-tied-grad-buffer")
+CKPT = ("--checkpoint-activations",)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row: its label cells, and the estimator arguments that give its figures (one per
+    world size of the table)."""
+
+    labels: tuple[str, ...]
+    argv: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    document: str  # relative to the repository
+    label_header: tuple[str, ...]
+    world_sizes: tuple[int, ...]
+    rows: tuple[Row, ...]
+
+    def command(self, row: Row) -> list[str]:
+        return [*row.argv, "--world-size", *map(str, self.world_sizes)]
+
+
+def _nllb(size: str, *flags: str) -> tuple[str, ...]:
+    return (*NLLB_GPU, "--arch", f"transformer_nllb_{size}", *flags)
+
+
+def _fitting_rows() -> tuple[Row, ...]:
+    rows = []
+    for label, size in (("600M", "600m"), ("1.3B", "1_3b"), ("3.3B", "3_3b")):
+        rows.append(Row((label, "-"), _nllb(size, *RECIPE)))
+        rows.append(Row((label, "`--checkpoint-activations`"), _nllb(size, *RECIPE, *CKPT)))
+    rows.append(Row(("3.3B", "`--checkpoint-activations --cpu-offload`"),
+                    _nllb("3_3b", *RECIPE, *CKPT, "--cpu-offload")))
+    return tuple(rows)
+
+
+TABLES = (
+    Table("fitting", "README.md", ("model", "extra flags"), (2, 4, 8), _fitting_rows()),
+    Table("seed scenario", "docs/memory.md", ("NLLB-600M, settings",), (2,), (
+        Row(("NLLB's settings: `--min-params-to-wrap 1e8`, stock criterion, stock tied "
+             "gradients, root `default`",), _nllb("600m", *STOCK)),
+        Row(("the recipe's: one unit per layer, chunked loss (256 tokens), tied-gradient "
+             "buffer, root `always`",), _nllb("600m", *RECIPE)),
+        Row(("the recipe's with `--checkpoint-activations`",), _nllb("600m", *RECIPE, *CKPT)),
+    )),
+)
+
+
+@functools.cache  # the estimator is deterministic: a row's figures once per process
+def predicted_gib(table: Table, row: Row) -> tuple[float, ...]:
+    """The estimator's per-GPU peak (largest rank class, GiB) at each world size."""
+    return tuple(est.classes[0].peak_gb for est in estimates(parse(table.command(row))))
+
+
+def render(table: Table) -> str:
+    """The block between the markers: the table, then the command of each row."""
+    header = [*table.label_header, *(f"{w} GPUs" for w in table.world_sizes)]
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "---|" * len(table.label_header) + "---:|" * len(table.world_sizes)]
+    commands = []
+    for row in table.rows:
+        values = [f"{v:.2f}" for v in predicted_gib(table, row)]
+        lines.append("| " + " | ".join([*row.labels, *values]) + " |")
+        commands.append(f"# {', '.join(label.replace('`', '') for label in row.labels)}\n"
+                        f"{ESTIMATE} {shlex.join(table.command(row))}")
+    return "\n".join([
+        f"<!-- predicted: {table.name} -->", *lines, "",
+        "<details><summary>The estimator command of each row</summary>", "", "```bash",
+        "\n".join(commands), "```", "", "</details>", END])
+
+
+def block_pattern(name: str) -> re.Pattern:
+    return re.compile(re.escape(f"<!-- predicted: {name} -->") + r".*?" + re.escape(END),
+                      re.S)
+
+
+def documented(text: str, name: str) -> str | None:
+    """The block of table ``name`` in a document's text, or None."""
+    found = block_pattern(name).search(text)
+    return found.group(0) if found else None
+
+
+def names_in(text: str) -> list[str]:
+    """The names of the predicted tables a document holds."""
+    return [n for n in re.findall(r"<!-- predicted: (.+?) -->", text) if n != "end"]
+
+
+def replaced(text: str, table: Table) -> str:
+    """``text`` with table's block made anew (the markers must be there)."""
+    if documented(text, table.name) is None:
+        raise ValueError(f"{table.document} has no '<!-- predicted: {table.name} -->' ... "
+                         f"'{END}' block")
+    return block_pattern(table.name).sub(lambda _: render(table), text, count=1)

@@ -123,8 +123,9 @@ build_failed() {
   return 2
 }
 
-stamp() {  # what the environment was built from: .whl/, the image's Python and torch, the pins
-  { ls -l "$wheels" 2>/dev/null; grep -E '"(python|executable|torch)"' "$work/machine.json"
+stamp() {  # what the environment was built from: .whl/'s contents (a fresh copy has new
+           # dates), the image's Python and torch, the pins
+  { (cd "$wheels" 2>/dev/null && sha256sum -- * 2>/dev/null); grep -E '"(python|executable|torch)"' "$work/machine.json"
     cat "$root"/requirements.txt "$root"/requirements-fairseq.txt "$root/tests/gpu_env.py"; } |
     sha256sum | cut -d' ' -f1
 }
@@ -231,7 +232,7 @@ run_tests() {
   echo "[gpu_check] tests: at most $left s" >&2
   # in timeout's own process group: at the limit the tests' fairseq processes go too
   bg env PYTHONPATH="$env_dir:$root:$root/tests" GPU_CHECK_WORK="$work" GPU_CHECK_REPORT="$report" \
-    FAIRSEQ_FSDP2_GPU_TABLE="$work/estimates.jsonl" OMP_NUM_THREADS=4 MALLOC_MMAP_THRESHOLD_=65536 \
+    FAIRSEQ_FSDP2_GPU_TABLE="$work/estimates.jsonl" OMP_NUM_THREADS=4 MALLOC_MMAP_THRESHOLD_=65536 PYTHONUNBUFFERED=1 \
     timeout -k 10 "$left" "$py" -m pytest -p no:cacheprovider -p gpu_check_plugin -v -rA "${args[@]}" \
     >"$work/pytest.log" 2>&1
   local rc=$?

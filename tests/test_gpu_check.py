@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.utils import parse_wheel_filename
 
 import gpu_env
 import gpu_report
@@ -295,9 +296,8 @@ def test_dry_run_installs_offline_from_wheels_alone_and_writes_the_report(tmp_pa
     names = sorted(n.split("-")[0] for n in prepared["files"])
     assert names == ["antlr4_python3_runtime", "bitarray", "cffi", "fairseq_fixed", "hydra_core",
                      "omegaconf", "pycparser"], prepared
-    assert all(f.endswith(("cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
-                           "manylinux2014_x86_64.manylinux_2_17_x86_64.whl", "py3-none-any.whl",
-                           ".tar.gz")) for f in prepared["files"]), prepared
+    wheels = [f for f in prepared["files"] if f.endswith(".whl")]
+    assert {t.interpreter for f in wheels for t in parse_wheel_filename(f)[3]} == {"cp312", "py3"}
     proc = subprocess.run(["bash", str(SCRIPT), "dryrun", "3.11", "--dir", str(tmp_path / "d")],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-5000:]

@@ -138,7 +138,9 @@ build() {
   write_report  # replaces an earlier report at once: nothing old looks current
   local log="$work/build.log"
   : >"$log"
-  bg rep record machine --out "$work/machine.json" 2>>"$log" || { build_failed "$py does not run"; return; }
+  "$py" -c "" 2>>"$log" || { build_failed "$py does not run (PYTHON: the image's Python)"; return; }
+  bg "$py" "$root/tests/gpu_report.py" record machine --out "$work/machine.json" 2>>"$log" ||
+    { build_failed "$(last_error "recording the machine")"; return; }
   "$py" - "$work/machine.json" <<'EOF' 2>>"$log"
 import json, sys
 m = json.load(open(sys.argv[1]))

@@ -1,89 +1,31 @@
 """(not a test; `.venv/bin/python scripts/benchmark_optimizer_step.py [--tensors N] [--elements N]
 [--steps N]`) The CPU time of the optimizer's part of an update on FSDP2 parameters: fairseq's
 ``multiply_grads``, the global-norm clipping and fairseq's Adam step, done through DTensor dispatch
-(the path before optimizer/local_shard_step.py) and on the local shards (the plugin's path), side by side in one
-process, interleaved, medians.
-
-The cost measured is per tensor operation, not per element: --tensors defaults to NLLB-600M's
-parameter tensor count (509: 12 + 12 layers, the shared embedding, 2 final
-layer norms; their sizes add up to its 615,073,792 parameters) and --elements keeps each small so
-that the arithmetic does not hide it, as on a GPU, where it runs asynchronously and the CPU's
-dispatch is what the step waits for. One rank (gloo): DTensor's dispatch costs the same at any
-world size.
+(the path before optimizer/local_shard_step.py) and on the local shards (the plugin's path), side by
+side in one process, interleaved, medians. What it measures and why:
+fairseq_fsdp2/benchmarks/optimizer_step.py.
 """
 import argparse
-import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from fairseq.optim.adam import FairseqAdamConfig
-from omegaconf import OmegaConf
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fairseq_fsdp2.optimizer.build import build_optimizer  # noqa: E402
-
-
-def model(tensors: int, elements: int) -> nn.Module:
-    torch.manual_seed(0)
-    layers = nn.Sequential(*(nn.Linear(elements, 1) for _ in range(tensors // 2)))
-    for layer in layers:
-        fully_shard(layer)
-    return fully_shard(layers)
-
-
-def optimizer(params, dtensor_path: bool):
-    adam = OmegaConf.structured(FairseqAdamConfig(_name="adam", lr=[1e-3], tpu=False))
-    cfg = OmegaConf.create({"common": {"fp16": False}, "optimizer": adam})
-    # dtensor_path: what the plugin did before local_shard_step.py
-    return build_optimizer(cfg, params, local_shards=not dtensor_path)
+from fairseq_fsdp2.benchmarks import optimizer_step  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="The CPU time of the optimizer's part of an update "
-                                     "on FSDP2 parameters, DTensor dispatch vs local shards")
-    parser.add_argument("--tensors", type=int, default=509,
+    parser = argparse.ArgumentParser(description="The CPU time of the optimizer's part of an "
+                                     "update on FSDP2 parameters, DTensor dispatch vs local shards")
+    parser.add_argument("--tensors", type=int, default=optimizer_step.NLLB_600M_TENSORS,
                         help="parameter tensors (default: NLLB-600M's 509)")
     parser.add_argument("--elements", type=int, default=64, help="elements per tensor")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps (first dropped)")
     return parser
 
 
-def main() -> None:
-    args = build_parser().parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29571")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    init_device_mesh("cpu", (1,))
-    tensors, elements, steps = args.tensors, args.elements, args.steps
-    runs = {}
-    for name, dtensor_path in (("DTensor dispatch", True), ("local shards", False)):
-        m = model(tensors, elements)
-        params = list(m.parameters())
-        for p in params:
-            p.grad = torch.full_like(p, 1e-3)
-        runs[name] = (params, optimizer(params, dtensor_path), [])
-    for _ in range(steps):
-        for name, (params, opt, times) in runs.items():
-            start = time.perf_counter()
-            opt.multiply_grads(0.5)
-            opt.clip_grad_norm(1.0)
-            opt.step()
-            times.append(time.perf_counter() - start)
-    med = {name: statistics.median(times[1:]) for name, (_, _, times) in runs.items()}
-    print(f"{tensors} parameter tensors of {elements} elements, {steps} steps (first dropped), "
-          f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"load {os.getloadavg()[0]:.2f}")
-    for name, t in med.items():
-        print(f"{name}: median {t * 1000:.1f} ms per update's optimizer work")
-    print(f"local shards: {med['DTensor dispatch'] / med['local shards']:.1f}x faster")
-    dist.destroy_process_group()
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    optimizer_step.main(args.tensors, args.elements, args.steps)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,211 @@
+"""What every benchmark shares: a synthetic corpus over NLLB's vocabulary, the fairseq-train
+command line, one process per rank with torchrun's environment (each running worker.py), the
+train_inner records they log, the machine and versions a report names, and replacing a marked
+section of docs/benchmarks.md. The models are NLLB's layout, reduced or at 600M."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+#: The repository: scripts/, docs/ (the reports' default place) and tests/probes/ are here.
+ROOT = Path(__file__).resolve().parents[2]
+PLUGIN = str(ROOT / "fairseq_fsdp2")
+NLLB_VOCAB = 256_206
+WORDS = 20  # words per sentence; + </s> = 21 tokens, source and target
+SEQ = WORDS + 1
+
+#: The NLLB layout (pre-norm, shared 256,206-entry embedding, sinusoidal positions, head dim 64)
+#: at reduced size: 3+3 layers, dim 128, ffn 512.
+REDUCED = ["--arch", "transformer_nllb_600m", "--encoder-layers", "3", "--decoder-layers", "3",
+           "--encoder-embed-dim", "128", "--decoder-embed-dim", "128",
+           "--encoder-ffn-embed-dim", "512", "--decoder-ffn-embed-dim", "512",
+           "--encoder-attention-heads", "2", "--decoder-attention-heads", "2"]
+NLLB_600M = ["--arch", "transformer_nllb_600m"]
+
+#: What each rank runs: worker.py. -P keeps the working directory off sys.path, so the ranks
+#: import this checkout's package (PYTHONPATH, set by launch) wherever the script was started.
+WORKER = [sys.executable, "-P", "-m", "fairseq_fsdp2.benchmarks.worker"]
+
+
+# -- data ------------------------------------------------------------------------------------
+
+def make_corpus(root: Path, n_train: int) -> Path:
+    """Random WORDS-word sentences over an NLLB-sized dictionary, binarized by fairseq."""
+    out = root / "bin"
+    if (out / "train.src-tgt.src.bin").exists():
+        return out
+    from ..data.synthetic import write_random_corpus
+    return write_random_corpus(root, vocab=NLLB_VOCAB, words=WORDS, n_train=n_train,
+                               prefix="tok")
+
+
+# -- running ---------------------------------------------------------------------------------
+
+def train_args(data: Path, model: list[str], config: list[str], max_tokens: int, updates: int,
+               save_dir: Path) -> list[str]:
+    """fairseq-train's arguments: fp32 Adam, one record per update, no validation, no saving."""
+    return [str(data), "--user-dir", PLUGIN, "--task", "translation", *model,
+            "--optimizer", "adam", "--lr", "1e-4", "--criterion", "label_smoothed_cross_entropy",
+            "--label-smoothing", "0.1", "--max-tokens", str(max_tokens),
+            "--max-update", str(updates), "--log-format", "json", "--log-interval", "1",
+            "--seed", "1", "--cpu", "--no-progress-bar", "--disable-validation", "--no-save",
+            "--save-dir", str(save_dir), *config]  # a --criterion in config wins
+
+
+def rank_args(args: list[str], config: list[str], rank: int, world: int) -> list[str]:
+    """``args`` for one rank: legacy_ddp gets stock fairseq's multi-process CPU flags."""
+    if "legacy_ddp" in config:
+        return args + ["--distributed-world-size", str(world), "--distributed-rank", str(rank),
+                       "--distributed-init-method", "env://", "--distributed-no-spawn",
+                       "--distributed-backend", "gloo"]
+    return args
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world: int, args_of_rank: Callable[[int], list[str]], timeout: float,
+           preload: Sequence[str] = (), program: Optional[Sequence[str]] = None
+           ) -> list[tuple[int, str]]:
+    """One process per rank with torchrun's environment; (returncode, output) per rank.
+
+    Each rank runs ``program`` with ``args_of_rank(rank)``; by default the worker (worker.py),
+    which imports the modules named in ``preload`` first (found on PYTHONPATH: a probe that
+    patches fairseq's Trainer, say) and this checkout's package (put first on PYTHONPATH)."""
+    if program is None:
+        program = [*WORKER, *(f"--import={name}" for name in preload)]
+        path = os.environ.get("PYTHONPATH", "")
+        pythonpath = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), path) if p)}
+    elif preload:
+        raise ValueError("preload is for the worker; a program of its own imports what it needs")
+    else:
+        pythonpath = {}
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536",
+                   PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(world), **pythonpath)
+        procs.append(subprocess.Popen(
+            [*program, *args_of_rank(rank)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    results = []
+    deadline = time.time() + timeout
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(deadline - time.time(), 1))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, _ = p.communicate()
+            out += f"\n[benchmark] killed after {timeout}s"
+        results.append((p.returncode, out))
+    return results
+
+
+def worker(argv: list[str]) -> None:
+    """Run fairseq-train; the stock Trainer gets the same per-rank memory log as FSDP2's."""
+    import fairseq_cli.train
+    from fairseq.trainer import Trainer
+
+    from ..memory.monitor import MemoryMonitor
+
+    original = Trainer.train_step
+
+    def train_step(self, samples, raise_oom=False):
+        if type(self) is not Trainer:  # FSDP2Trainer logs its own memory
+            return original(self, samples, raise_oom)
+        if not hasattr(self, "_benchmark_memory"):
+            self._benchmark_memory = MemoryMonitor(self.device, None,
+                                                   rank=self.data_parallel_rank)
+        out = original(self, samples, raise_oom)
+        if out is not None and self.get_num_updates() % self.cfg.common.log_interval == 0:
+            self._benchmark_memory.log(self.get_num_updates())
+        return out
+
+    Trainer.train_step = train_step
+    sys.argv = ["fairseq-train", *argv]
+    fairseq_cli.train.cli_main()
+
+
+def parse_records(output: str) -> list[dict]:
+    """fairseq's train_inner records (--log-format json) in a rank's output."""
+    records = []
+    for line in output.splitlines():
+        if "train_inner" in line and "{" in line:
+            records.append(json.loads(line[line.index("{"):]))
+    return records
+
+
+def available_gb() -> float:
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2 ** 20
+    return 0.0
+
+
+# -- the report ------------------------------------------------------------------------------
+
+def command_of(script: str, argv: Sequence[str]) -> str:
+    """The command line a report records: ``.venv/bin/python scripts/x.py ARGS``."""
+    return shlex.join([".venv/bin/python", script, *argv])
+
+
+def versions() -> dict:
+    """The machine and the versions a report names."""
+    import fairseq
+    import torch
+    from importlib.metadata import version
+
+    cpu = ""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = 0.0
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemTotal:"):
+            mem = int(line.split()[1]) / 2 ** 20
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "fairseq": version("fairseq-fixed") if _has("fairseq-fixed") else fairseq.__version__,
+            "cores": os.cpu_count(), "memory_gib": round(mem, 1), "cpu": cpu,
+            "machine": platform.machine()}
+
+
+def _has(dist: str) -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        version(dist)
+        return True
+    except PackageNotFoundError:
+        return False
+
+
+def replace_section(path: Path, begin: str, end: str, text: str) -> None:
+    """Put ``text`` (which starts with ``begin`` and ends with ``end``) in place of that
+    section of ``path``, or at its end."""
+    old = path.read_text() if path.exists() else ""
+    if begin in old and end in old:
+        new = old[:old.index(begin)] + text + old[old.index(end) + len(end):]
+    else:
+        new = old.rstrip() + "\n\n" + text + "\n"
+    path.write_text(new)
+
+
+def ratio(x, y) -> str:
+    return f"{x / y:.2f}x" if x and y else "-"

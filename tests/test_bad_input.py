@@ -105,7 +105,8 @@ CATALOGUE = {
                                   ("--zero-sharding", ["os"], "--zero-sharding"),
                                   ("--model-parallel-size", ["2"], "--model-parallel-size > 1")]],
     "`--ema-seed-model` that does not exist or holds no EMA": [
-        (1, ["--store-ema", "--ema-seed-model", "{absent}"], "--ema-seed-model not found: {absent}"),
+        (1, ["--store-ema", "--ema-seed-model", "{absent}"],
+         "--ema-seed-model not found: {absent}"),
         (1, ["--store-ema", "--ema-seed-model", "{good}"],
          "--ema-seed-model {good} holds no EMA (extra_state['ema']): was it trained with "
          "--store-ema?")],

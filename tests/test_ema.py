@@ -239,14 +239,16 @@ def test_consolidated_export_holds_the_ema_where_fairseq_puts_it(ema, ours, stoc
     """The export at the end of the run holds the EMA in extra_state["ema"] (and, with
     --ema-fp32, extra_state["ema_fp32_params"]) under every name of the model, as fairseq's
     Trainer saves it; fairseq's own reader (checkpoint_utils.load_ema_from_checkpoint, behind
-    --ema-seed-model) gets it. ``consolidate --ema`` exports it as the model: stock
+    --ema-seed-model) gets it, and fairseq's readers of the sharded checkpoint get it full. ``consolidate --ema`` exports it as the model: stock
     fairseq-generate runs it, and --format hf writes it for Hugging Face."""
     save = ema.save_dir("fsdp2")
     want = ours[UPDATES][1]
     export = save / "checkpoint_last_consolidated.pt"
     extra = torch.load(export, weights_only=True)["extra_state"]
     assert set(extra["ema"]) == set(stock[UPDATES][0])  # every name of the model
-    for entry in (extra["ema"], extra["ema_fp32_params"],
+    # fairseq's readers of the sharded file itself (registration.py's patch 8) get it too
+    read = checkpoint_utils.load_checkpoint_to_cpu(str(save / "checkpoint_last.pt"))
+    for entry in (extra["ema"], extra["ema_fp32_params"], read["extra_state"]["ema"],
                   checkpoint_utils.load_ema_from_checkpoint(str(export))["model"]):
         assert set(entry) == set(want) and all(torch.equal(entry[k], want[k]) for k in want)
     assert extra["ema"]["decoder.output_projection.weight"].data_ptr() == \

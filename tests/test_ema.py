@@ -22,10 +22,12 @@ combination of the weights it averaged, so it differs by no more than they do.
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from fairseq import checkpoint_utils
 from fairseq.dataclass.configs import EMAConfig
 from fairseq.models.ema import EMA
@@ -183,6 +185,28 @@ def test_ema_follows_fairseqs_schedule_and_update_and_equals_stock_legacy_ddp(em
         worst = max(worst, diff.max().item())
     print(f"EMA vs stock legacy_ddp's after {UPDATES} updates: largest difference {worst:.2e} "
           f"(bound {drift:.2e}), largest per-tensor median {typical:.2e} (bound {tight:.2e})")
+
+
+def test_ema_is_sharded_like_the_model_no_rank_holds_a_full_copy(ema):
+    """Each rank keeps and saves only its part of the EMA: in the last save's shards, the EMA of
+    every parameter is stored in the pieces the parameter is, one per rank, each in its own
+    rank's file (a copy held whole by a rank would be stored whole, once)."""
+    save = ema.save_dir("fsdp2")
+    shards = torch.load(save / "checkpoint_last.pt", weights_only=True)["fsdp2"]["shards"]
+    metadata = dcp.FileSystemReader(str(save / shards)).read_metadata()
+    files = defaultdict(set)
+    for index, info in metadata.storage_data.items():
+        files[index.fqn].add(info.relative_path)
+
+    def pieces(key):
+        return [(tuple(c.offsets), tuple(c.sizes))
+                for c in metadata.state_dict_metadata[key].chunks]
+    split = [key[len("model."):] for key, md in metadata.state_dict_metadata.items()
+             if key.startswith("model.") and len(md.chunks) == 2]
+    assert len(split) > 80, split  # every weight and bias of the tiny model
+    for name in split:
+        assert pieces(f"ema.{name}") == pieces(f"model.{name}"), name
+        assert len(files[f"ema.{name}"]) == 2, (name, files[f"ema.{name}"])
 
 
 def test_stock_ema_faults_the_sharded_ema_does_not_share(ours, stock):

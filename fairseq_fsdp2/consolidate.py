@@ -3,6 +3,7 @@
 hf``, a Hugging Face NLLB model directory).
 
     python -m fairseq_fsdp2.consolidate CHECKPOINT OUT.pt
+    python -m fairseq_fsdp2.consolidate --ema CHECKPOINT OUT.pt   # its EMA as the model
 
 The export itself: checkpoint/export.py.
 """
@@ -27,6 +28,9 @@ def main(argv=None) -> int:
                         help="fairseq: one stock fairseq checkpoint file; hf: a Hugging Face "
                         "NLLB model directory (config.json, model.safetensors) that "
                         "transformers' M2M100ForConditionalGeneration.from_pretrained loads")
+    parser.add_argument("--ema", action="store_true",
+                        help="export the EMA of a --store-ema run as the model (fairseq or "
+                        "--format hf); CHECKPOINT may also be a stock fairseq checkpoint with one")
     parser.add_argument("--data", help="legacy FSDP shards: the data directory, if it is no "
                         "longer where the checkpoint's cfg says (to build the model)")
     args = parser.parse_args(argv)
@@ -34,7 +38,7 @@ def main(argv=None) -> int:
         print("fairseq_fsdp2: error: OUT must differ from CHECKPOINT", file=sys.stderr)
         return 2
     try:
-        consolidate(args.checkpoint, args.out, args.data, args.format)
+        consolidate(args.checkpoint, args.out, args.data, args.format, ema=args.ema)
     except CheckpointError as e:
         print(f"fairseq_fsdp2: error: {e}", file=sys.stderr)
         return 2

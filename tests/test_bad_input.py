@@ -104,10 +104,12 @@ CATALOGUE = {
         for flag, value, name in [("--tpu", [], "--tpu"), ("--use-bmuf", [], "--use-bmuf"),
                                   ("--zero-sharding", ["os"], "--zero-sharding"),
                                   ("--model-parallel-size", ["2"], "--model-parallel-size > 1")]],
-    "`--store-ema` (fairseq's EMA) with fsdp2": [
-        (1, ["--store-ema"], "--store-ema cannot be combined with --ddp-backend fsdp2: "
-                             "fairseq's EMA copies the model and saves the copy from rank 0 "
-                             "alone")],
+    "`--ema-seed-model` that does not exist or holds no EMA": [
+        (1, ["--store-ema", "--ema-seed-model", "{absent}"],
+         "--ema-seed-model not found: {absent}"),
+        (1, ["--store-ema", "--ema-seed-model", "{good}"],
+         "--ema-seed-model {good} holds no EMA (extra_state['ema']): was it trained with "
+         "--store-ema?")],
     "`--write-checkpoints-asynchronously` with fsdp2": [
         (1, ["--write-checkpoints-asynchronously"], "--write-checkpoints-asynchronously cannot be "
          "combined with --ddp-backend fsdp2: fairseq's asynchronous writer (iopath) leaves")],

@@ -526,7 +526,7 @@ def test_multilingual_resumed_mid_virtual_epoch(multilingual, ranks):
 
 
 # --- features refused ------------------------------------------------------------------------------
-# --store-ema: tests/test_bad_input.py (docs/errors.md).
+# tests/test_bad_input.py (docs/errors.md). --store-ema: tests/test_ema.py.
 
 
 # --- the documented table ------------------------------------------------------------------------------

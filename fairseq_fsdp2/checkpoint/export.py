@@ -2,9 +2,11 @@
 ``--use-sharded-state`` shard files, -> one stock fairseq checkpoint file.
 
 The output holds the full model weights (tied weights under every alias, as fairseq stores
-them), cfg and training history, and no sharded or optimizer state, so stock
+them), cfg and training history, the EMA of a --store-ema run where fairseq's Trainer keeps it
+(extra_state), and no sharded or optimizer state, so stock
 ``fairseq-generate``/``fairseq-interactive`` read it without the plugin. Runs on one process
-and no process group (DCP's ``no_dist`` load); it never needs more than one copy of the model.
+and no process group (DCP's ``no_dist`` load); it never needs more than one copy of the model
+(and of its EMA).
 ``python -m fairseq_fsdp2.consolidate CHECKPOINT OUT.pt`` (consolidate.py) runs it by hand; the
 end of a run runs it on rank 0 (``consolidate_at_end``).
 """
@@ -23,16 +25,25 @@ from . import legacy_fairscale, sharded
 from .safe_load import read_checkpoint_file
 
 CONSOLIDATED_SUFFIX = "_consolidated.pt"
+#: Where fairseq's Trainer keeps its EMA (--store-ema) in a checkpoint's extra_state: the EMA
+#: model's state dict, which checkpoint_utils.load_ema_from_checkpoint (--ema-seed-model) reads,
+#: and with --ema-fp32 its fp32 copy. In an FSDP2 checkpoint, EMA_KEY references the shards.
+EMA_KEY = "ema"
+EMA_FP32_KEY = "ema_fp32_params"
 
 
 def consolidate(checkpoint: str, out: str, data: str | None = None,
-                out_format: str = "fairseq") -> str:
+                out_format: str = "fairseq", ema: bool = False) -> str:
     """``checkpoint``: a file saved by --ddp-backend fsdp2, or one of legacy FSDP's
     ``<name>-shard<rank>.pt`` files (or ``<name>.pt`` for all of them); ``data`` replaces the
     data directory in a legacy save's cfg (the model is built from it to find tied weights).
     ``out_format`` "hf": ``out`` is a Hugging Face model directory, and ``checkpoint`` may
-    also be a consolidated (stock) fairseq checkpoint."""
+    also be a consolidated (stock) fairseq checkpoint. The EMA of a --store-ema run is written
+    where fairseq keeps it (extra_state); ``ema``: the EMA's weights are the exported model
+    instead (``checkpoint`` may then be a stock fairseq checkpoint too)."""
     legacy = legacy_fairscale.shard_files(checkpoint)
+    if legacy and ema:
+        raise CheckpointError("--ema: legacy FSDP shards hold no EMA the plugin can read")
     if legacy:
         if any(os.path.abspath(out) == os.path.abspath(f) for f in legacy):
             raise CheckpointError("OUT must not be one of the shard files")
@@ -44,10 +55,18 @@ def consolidate(checkpoint: str, out: str, data: str | None = None,
         model = legacy_fairscale.add_module_aliases(model, cfg, data)
     else:
         state = read_checkpoint_file(checkpoint)
-        if out_format == "hf" and "fsdp2" not in state:
+        if ema:
+            model = full_ema(checkpoint, state)
+            if model is None:
+                raise CheckpointError(f"{checkpoint} holds no EMA (extra_state['{EMA_KEY}']): "
+                                      f"was it trained with --store-ema?")
+            state = _with_ema(state, None)  # the EMA is the model now
+        elif out_format == "hf" and "fsdp2" not in state:
             model = state["model"]  # already consolidated
         else:
             model = _fsdp2_model(checkpoint, state)
+            if out_format != "hf":
+                state = _with_ema(state, full_ema(checkpoint, state))
     if out_format == "hf":
         cfg = _stock_cfg(state.get("cfg"))
         model_cfg = cfg.get("model") if isinstance(cfg, dict) else None
@@ -78,10 +97,17 @@ def read_with_full_weights(read, path, *args, **kwargs) -> dict:
     state = read(path, *args, **kwargs)
     if sharded.is_sharded(state.get("model")) and not sharded.is_trainer_loading():
         state["model"] = _fsdp2_model(path, state)
+        state = _with_ema(state, full_ema(path, state))  # where a stock checkpoint holds it
     return state
 
 
 def _fsdp2_model(checkpoint: str, state: dict) -> dict:
+    return full_tensors(checkpoint, state, "model")
+
+
+def full_tensors(checkpoint: str, state: dict, entry: str) -> dict:
+    """The full tensors of one entry of an FSDP2 checkpoint's shards ("model", "ema"), read in
+    this process, every alias of a tied weight included (as fairseq stores them)."""
     info = state.get("fsdp2")
     if not isinstance(info, dict):
         raise CheckpointError(f"{checkpoint} is not a sharded FSDP2 checkpoint")
@@ -89,13 +115,40 @@ def _fsdp2_model(checkpoint: str, state: dict) -> dict:
     metadata = sharded.read_metadata(shard_dir, checkpoint)
     # a tied weight is read once, under its canonical name: the shards may hold it under every
     # alias (NLLB: 3 x vocab x dim), and reading each would hold that many copies
-    model = {key[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype)
-             for key, md in metadata.state_dict_metadata.items()
-             if key.startswith("model.") and key[len("model."):] not in info["aliases"]}
-    dcp.load({"model": model}, checkpoint_id=shard_dir, no_dist=True)
+    prefix = entry + "."
+    tensors = {key[len(prefix):]: torch.empty(md.size, dtype=md.properties.dtype)
+               for key, md in metadata.state_dict_metadata.items()
+               if key.startswith(prefix) and key[len(prefix):] not in info["aliases"]}
+    if not tensors:
+        raise CheckpointError(f"{checkpoint}: its shards hold no {entry!r} entry")
+    dcp.load({entry: tensors}, checkpoint_id=shard_dir, no_dist=True)
     for alias, canonical in info["aliases"].items():
-        model[alias] = model[canonical]
-    return model
+        tensors[alias] = tensors[canonical]
+    return tensors
+
+
+def full_ema(checkpoint: str, state: dict) -> dict | None:
+    """A checkpoint's EMA (--store-ema) as full tensors by name, or None if it has none: read
+    from the shards of an FSDP2 checkpoint, as stored in a stock one."""
+    ema = (state.get("extra_state") or {}).get(EMA_KEY)
+    if sharded.is_sharded(ema):
+        return full_tensors(checkpoint, state, EMA_KEY)
+    return ema if isinstance(ema, dict) and ema else None
+
+
+def _with_ema(state: dict, ema: dict | None) -> dict:
+    """``state`` whose extra_state holds ``ema`` (full tensors) where fairseq's Trainer puts
+    it, also as the --ema-fp32 copy when the run kept its EMA in fp32; None: no EMA."""
+    extra = state.get("extra_state")
+    if not isinstance(extra, dict) or (ema is None and EMA_KEY not in extra):
+        return state
+    extra = {k: v for k, v in extra.items() if k not in (EMA_KEY, EMA_FP32_KEY)}
+    if ema is not None:
+        extra[EMA_KEY] = ema
+        cfg = _plain(state.get("cfg"))
+        if isinstance(cfg, dict) and (cfg.get("ema") or {}).get("ema_fp32"):
+            extra[EMA_FP32_KEY] = ema  # the same fp32 tensors: torch.save writes them once
+    return {**state, "extra_state": extra}
 
 
 def _stock_cfg(cfg):
@@ -133,9 +186,10 @@ def _plain(value):
 def consolidate_at_end(save_dir: str, suffix: str = "") -> list[str]:
     """After training (rank 0): export checkpoint_best/last (with --checkpoint-suffix
     ``suffix``: checkpoint_best<suffix>.pt, exported to checkpoint_best<suffix>_consolidated.pt)
-    and drop unreferenced shards. At most one full copy of the model is held: when both files
-    reference the same shards (the last save was also the best) the model is read once for
-    both, otherwise the first is freed before the second is read."""
+    and drop unreferenced shards. At most one full copy of the model is held (two with
+    --store-ema: the model and its EMA): when both files reference the same shards (the last
+    save was also the best) the model is read once for both, otherwise the first is freed
+    before the second is read."""
     by_shards: dict[str, list[tuple[str, dict]]] = {}
     for name in (f"checkpoint_best{suffix}.pt", f"checkpoint_last{suffix}.pt"):
         path = os.path.join(save_dir, name)
@@ -146,9 +200,10 @@ def consolidate_at_end(save_dir: str, suffix: str = "") -> list[str]:
             by_shards.setdefault(shards, []).append((path, state))
     written = []
     for files in by_shards.values():
-        model = _fsdp2_model(*files[0])
+        model, ema = _fsdp2_model(*files[0]), full_ema(*files[0])  # with --store-ema: 2 copies
         for path, state in files:
-            written.append(_write(state, model, path[:-3] + CONSOLIDATED_SUFFIX))
-        del model  # its only reference: freed before the next one is read
+            written.append(_write(_with_ema(state, ema), model,
+                                  path[:-3] + CONSOLIDATED_SUFFIX))
+        del model, ema  # their only references: freed before the next ones are read
     sharded.remove_unreferenced(save_dir)
     return written

@@ -85,3 +85,25 @@ def broadcast_full_model(model: torch.nn.Module, full: Optional[Mapping], descri
                                           src_data_rank=None)
             target.copy_(value)  # copy_ crosses devices (an offloaded shard: to the CPU)
             del value
+
+
+def copy_full_state(own: Mapping[str, torch.Tensor], full: Mapping) -> list[str]:
+    """Copy full tensors that every rank holds (e.g. a stock checkpoint fairseq broadcast
+    whole) into the sharded tensors of the same names, each rank its own shard. Returns the
+    names ``full`` lacks, whose tensors are left as they were."""
+    missing = []
+    with torch.no_grad():
+        for key, target in own.items():
+            if key not in full:
+                missing.append(key)
+                continue
+            value = full[key]
+            if tuple(value.shape) != tuple(target.shape):
+                raise CheckpointError(f"{key}: checkpoint {tuple(value.shape)} vs model "
+                                      f"{tuple(target.shape)}")
+            value = value.to(target.device, target.dtype)
+            if isinstance(target, DTensor):
+                value = distribute_tensor(value, target.device_mesh, target.placements,
+                                          src_data_rank=None)
+            target.copy_(value)
+    return missing

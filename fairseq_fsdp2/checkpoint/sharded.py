@@ -72,9 +72,10 @@ def is_trainer_loading() -> bool:
 
 
 def save(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], save_dir: str,
-         num_updates: int) -> str:
-    """Every rank: write model (and optimizer) shards; returns the directory relative to
-    save_dir. Only complete directories ever carry their final name."""
+         num_updates: int, extra: Optional[dict] = None) -> str:
+    """Every rank: write model (and optimizer) shards, and ``extra`` entries (name -> tensors by
+    name, e.g. the EMA's shards: {"ema": {...}}); returns the directory relative to save_dir.
+    Only complete directories ever carry their final name."""
     token = [secrets.token_hex(4) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(token, src=0)
     rel = os.path.join(SHARDS_DIR, f"u{num_updates:08d}-{token[0]}")
@@ -83,6 +84,7 @@ def save(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], save_dir:
     state = {"model": _canonical_state(model)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
+    state.update(extra or {})
     dcp.save(state, checkpoint_id=tmp)
     dist.barrier()
     if dist.get_rank() == 0:
@@ -168,6 +170,12 @@ def load_model(model: nn.Module, shard_dir: str) -> None:
     is read once, under its canonical name (version 1 shards hold the aliases too: not read)."""
     state = {"model": _canonical_state(model)}
     dcp.load(state, checkpoint_id=shard_dir)
+
+
+def load_entry(name: str, tensors: dict, shard_dir: str) -> None:
+    """Load an entry that ``save`` wrote from ``extra`` into ``tensors`` (sharded or plain, by
+    name) in place; DCP reshards across world sizes."""
+    dcp.load({name: tensors}, checkpoint_id=shard_dir)
 
 
 def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, shard_dir: str) -> None:

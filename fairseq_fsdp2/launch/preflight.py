@@ -3,8 +3,8 @@
 ``check_launch`` runs before the process group exists: a world size that the processes on
 hand cannot form, a --save-dir that cannot be created, a --finetune-from-model that is not there
 (or a directory without Hugging Face weights). ``check_fairseq_flags``: fairseq flags FSDP2 runs
-do not serve. ``weights_will_be_loaded``: whether the model can be built on the meta device.
-``data_error`` turns fairseq's own errors
+do not serve, and an --ema-seed-model without an EMA. ``weights_will_be_loaded``: whether the
+model can be built on the meta device. ``data_error`` turns fairseq's own errors
 for a data directory without the files asked for (raised while the task loads, on every rank
 alike) into one line.
 """
@@ -80,10 +80,17 @@ def check_fairseq_flags(cfg) -> None:
                        (cfg.common.model_parallel_size > 1, "--model-parallel-size > 1")):
         if flag:
             raise OptionError(f"{name} cannot be combined with --ddp-backend fsdp2")
-    if cfg.ema.store_ema:
-        raise OptionError("--store-ema cannot be combined with --ddp-backend fsdp2: fairseq's "
-                          "EMA copies the model and saves the copy from rank 0 alone, which "
-                          "holds only its own shards under FSDP2")
+    seed = cfg.ema.ema_seed_model if cfg.ema.store_ema else None
+    if seed:  # fairseq would stop at the first update, with a traceback
+        if not os.path.isfile(seed):
+            raise OptionError(f"--ema-seed-model not found: {seed}")
+        try:
+            saved = (read_checkpoint_file(seed).get("extra_state") or {}).get("ema")
+        except CheckpointError as e:
+            raise OptionError(f"--ema-seed-model: {e}") from e
+        if not saved:
+            raise OptionError(f"--ema-seed-model {seed} holds no EMA (extra_state['ema']): was "
+                              f"it trained with --store-ema?")
     if cfg.checkpoint.write_checkpoints_asynchronously:
         raise OptionError(ASYNC_WRITE_REFUSED)
     layerdrop = [f"--{side}-layerdrop" for side in ("encoder", "decoder")

@@ -57,7 +57,12 @@ class TrainerCheckpoints:
         with self._save_errors_reported():
             self._shards = sharded.save(self.model,
                                         self.optimizer.optimizer if keep_optimizer else None,
-                                        save_dir, self.get_num_updates())
+                                        save_dir, self.get_num_updates(),
+                                        self.sharded_extras())
+
+    def sharded_extras(self) -> dict:
+        """More state for the shards, beside model and optimizer (ema.py: the EMA's)."""
+        return {}
 
     def save_checkpoint(self, filename, extra_state):
         resume.save_patience(self.cfg, extra_state)

@@ -32,15 +32,16 @@ from ..sharding.mesh import build_mesh
 from ..sharding.plan import ShardingPlan, build_plan
 from . import resume
 from .checkpoint_hooks import TrainerCheckpoints
+from .ema import TrainerEMA
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MIN_PARAMS_TO_WRAP = int(1e8)  # fairseq's default
 
 
-class FSDP2Trainer(TrainerCheckpoints, Trainer):
+class FSDP2Trainer(TrainerEMA, TrainerCheckpoints, Trainer):
     """Trains a model sharded with FSDP2 (``--ddp-backend fsdp2``); its checkpoints:
-    checkpoint_hooks.py."""
+    checkpoint_hooks.py; its EMA (--store-ema): ema.py."""
 
     def __init__(self, cfg, task, model, criterion, quantizer=None):
         # fairseq's Trainer.__init__ casts the model to fp16/bf16 and refuses --cpu-offload unless

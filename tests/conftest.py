@@ -85,9 +85,12 @@ def corpus(tmp_path_factory) -> Path:
     return make_corpus(tmp_path_factory.mktemp("corpus"))
 
 
-def train_args_for(corpus: Path, save_dir: Path, *extra, save=False, updates=10) -> list[str]:
-    """fairseq-train arguments for the tiny model; add the backend and run-specific flags."""
-    args = [str(corpus), "--user-dir", PLUGIN, *TINY_MODEL, *TRAINING,
+def train_args_for(corpus: Path, save_dir: Path, *extra, save=False, updates=10,
+                   plugin=True) -> list[str]:
+    """fairseq-train arguments for the tiny model; add the backend and run-specific flags.
+    ``plugin=False``: without ``--user-dir``, for stock fairseq's reference runs (the plugin's
+    global patches must not run on both sides of a comparison, where a bug would cancel out)."""
+    args = [str(corpus), *(["--user-dir", PLUGIN] if plugin else []), *TINY_MODEL, *TRAINING,
             "--max-update", str(updates), "--save-dir", str(save_dir)]
     if not save:
         args.append("--no-save")

@@ -26,8 +26,10 @@ def runs(corpus, tmp_path_factory):
         key = (tuple(map(str, flags)), updates, stock)
         if key not in done:
             save = tmp_path_factory.mktemp("run")
+            # stock: fairseq alone, no --user-dir (conftest.train_args_for)
             done[key] = ok(run_ranks(2, lambda r: train_args_for(
-                corpus, save, *(stock_ddp(r, 2) if stock else FSDP2), *flags, updates=updates)))
+                corpus, save, *(stock_ddp(r, 2) if stock else FSDP2), *flags, updates=updates,
+                plugin=not stock)))
         return done[key]
     return run
 
@@ -223,8 +225,8 @@ def test_bf16_against_fp32(runs, corpus, tmp_path):
     """Stock fairseq's --bf16 turns on TPU mode (fairseq/options.py: bf16 implies --tpu) and
     cannot run without torch_xla: on this CPU it fails at start, so the plugin's bf16 run is
     compared with its own fp32 run instead: only the bf16 run rounds, u = 2^-8."""
-    (stock,) = run_ranks(1, lambda r: train_args_for(corpus, tmp_path, "--bf16", updates=1),
-                         torchrun_env=False)
+    (stock,) = run_ranks(1, lambda r: train_args_for(corpus, tmp_path, "--bf16", updates=1,
+                                                     plugin=False), torchrun_env=False)
     assert stock.returncode != 0 and "get_tpu_device" in stock.output, stock.output[-2000:]
     ours = runs(*ADAM, "--bf16", updates=20)
     fp32 = runs(*ADAM, updates=20)

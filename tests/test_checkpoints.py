@@ -27,9 +27,11 @@ def saved_run(corpus, tmp_path_factory):
     from conftest import PLUGIN, TINY_MODEL, TRAINING
     root = tmp_path_factory.mktemp("saved")
 
-    def args(save_dir, *extra, backend=FSDP2):
-        return [str(corpus), "--user-dir", PLUGIN, *TINY_MODEL, *TRAINING, *backend, *EXACT,
-                "--max-update", "10", "--save-dir", str(save_dir), *map(str, extra)]
+    def args(save_dir, *extra, backend=FSDP2, plugin=True):
+        # plugin=False: stock fairseq's reference runs, without --user-dir
+        return [str(corpus), *(["--user-dir", PLUGIN] if plugin else []), *TINY_MODEL,
+                *TRAINING, *backend, *EXACT, "--max-update", "10", "--save-dir", str(save_dir),
+                *map(str, extra)]
     out = ok(run_ranks(2, lambda r: args(root / "run", "--update-freq", 2)))
     return root, args, out
 
@@ -138,7 +140,8 @@ def test_consolidated_export_equals_stock_ddp_and_stock_generate_reads_it(saved_
     root, args, _ = saved_run
     # fairseq's own 2-rank DDP training of the same model on the same batches
     ddp_dir = tmp_path / "ddp"
-    ok(run_ranks(2, lambda r: args(ddp_dir, "--update-freq", 2, backend=stock_ddp(r, 2))))
+    ok(run_ranks(2, lambda r: args(ddp_dir, "--update-freq", 2, backend=stock_ddp(r, 2),
+                                   plugin=False)))
     ours = root / "run" / "checkpoint_last_consolidated.pt"
     assert ours.exists()  # written at the end of training
     a = torch.load(ours, weights_only=True)["model"]
@@ -293,13 +296,15 @@ def test_pretrained_stock_checkpoint_loads_without_full_copies_on_every_rank(cor
     load_peak0 = float(pairs[0][1])
     assert max(build_peak) < load_peak0 - model_gb, (build_peak, load_peak0, model_gb)
     # and the loaded model is the pretrained one, sinusoidal tables included: the same
-    # losses as stock fairseq's own 2-rank fine-tune from the same file
-    # (--user-dir only for torch.load's allow-list: stock fairseq cannot read its own files)
-    stock = ok(run_ranks(2, lambda r: [str(corpus), "--user-dir", PLUGIN, *big, *TRAINING,
-                                       *batch, *stock_ddp(r, 2),
+    # losses as stock fairseq's own 2-rank fine-tune from the same file (no plugin; torch's
+    # allow-list for the file stock fairseq wrote: tests/probes/stock_trusting.py)
+    stock = ok(run_ranks(2, lambda r: [str(corpus), *big, *TRAINING, *batch, *stock_ddp(r, 2),
                                        "--finetune-from-model", str(pretrained),
                                        "--max-update", "1", "--no-save",
-                                       "--save-dir", str(tmp_path / "stock-ft")]))
+                                       "--save-dir", str(tmp_path / "stock-ft")],
+                         module="stock_trusting",
+                         env={"PYTHONPATH": str(REPO / "tests" / "probes"),
+                              "TRUSTED_CHECKPOINTS": str(pretrained)}))
     # the first update's loss is the loaded weights' loss (and its gnorm their gradient's)
     assert_runs_close(out, stock, FP32_REORDERED, 1)  # float32, sums in another order
 

@@ -155,24 +155,33 @@ def test_consolidated_export_equals_stock_ddp_and_stock_generate_reads_it(saved_
     # is zero: softmax ignores a constant added to every key score) or nearly so (a sum that
     # cancels: seen in k_proj and q_proj weights once the tied-gradient buffer changed the
     # order) takes lr-sized steps in directions the two runs do not share. Every element is
-    # therefore bounded by adam_drift_bound, whatever its gradient. The typical element's
-    # gradient is far above its rounding noise; its step then differs by that relative noise
-    # (<= FP32_REORDERED) of an lr-sized step per update: each tensor's median difference is
-    # bounded by that, and key biases, all noise, by the drift alone.
+    # therefore bounded by adam_drift_bound; but that holds for ANY two 10-step Adam runs from
+    # one start, whatever their gradients: it catches another start (other initial weights),
+    # never a gradient bug. What does: an element whose gradient is far above its rounding
+    # noise takes a step that differs by that relative noise (<= FP32_REORDERED) of an
+    # lr-sized step per update, so its difference is within ``tight``. Only elements whose
+    # gradient cancels to within ~1e4 ulps of zero can go beyond; that they are under 1% of
+    # each tensor is an empirical premise (measured on an AMD EPYC, Zen 2: every tensor's
+    # largest difference within 0.15 x tight, most within 0.03 x). So at most 1% of
+    # each tensor's elements may exceed tight (none of a tensor under 100 elements), which a
+    # wrong gradient (a missed term, a wrong scale of part of a tensor) breaks by orders of
+    # magnitude; key biases, all noise, are bounded by the drift alone.
     lr, updates = 1e-3, 10
     drift = adam_drift_bound(lr, updates)
     tight = FP32_REORDERED * lr * sum(adam_step_bound(t) for t in range(1, updates + 1))
-    worst, typical = 0.0, 0.0
+    worst, beyond = 0.0, 0.0
     for key in b:
         assert a[key].shape == b[key].shape
         diff = (a[key].float() - b[key].float()).abs()
         assert diff.max().item() <= drift, (key, diff.max().item(), drift)
-        if not key.endswith(ZERO_GRADIENT_SUFFIXES) and diff.numel() > 1:
-            assert diff.median().item() <= tight, (key, diff.median().item(), tight)
-            typical = max(typical, diff.median().item())
-        worst = max(worst, diff.max().item())
-    print(f"weights vs stock DDP: largest difference {worst:.2e} (bound {drift:.2e}), largest "
-          f"per-tensor median {typical:.2e} (bound {tight:.2e})")
+        if not key.endswith(ZERO_GRADIENT_SUFFIXES):
+            over = int((diff > tight).sum())
+            assert over <= diff.numel() // 100, (key, over, diff.numel(), diff.max().item(), tight)
+            beyond = max(beyond, over / diff.numel())
+            worst = max(worst, diff.max().item())
+    print(f"weights vs stock DDP: largest difference {worst:.2e} outside key biases (tight "
+          f"{tight:.2e}), largest share beyond tight {beyond:.1%} (1% allowed), drift bound "
+          f"{drift:.2e}")
     assert a["decoder.output_projection.weight"].data_ptr() == \
         a["encoder.embed_tokens.weight"].data_ptr()  # tied, as fairseq stores it
 
@@ -186,11 +195,12 @@ def test_consolidated_export_equals_stock_ddp_and_stock_generate_reads_it(saved_
         return hyps, proc.output
     hyps, out = generate(ours)  # stock fairseq-generate, no --user-dir
     assert len(hyps) > 90 and "BLEU" in out
-    # fairseq's own DDP checkpoint holds an argparse.Namespace, which torch >= 2.6 refuses to
-    # unpickle by default: read it with the plugin's allow-list (generation stays stock)
-    assert hyps == generate(ddp_dir / "checkpoint_last.pt", "--user-dir", str(REPO / "fairseq_fsdp2"))[0]
-    # with the plugin, fairseq-generate reads the sharded checkpoint itself (its full weights
-    # from the shard directory, registration.py's patch 8): the export's translations
+    # (The stock DDP checkpoint's translations are not compared: its weights differ from the
+    # export's by rounding, and a beam step whose two best scores are that close may choose
+    # otherwise, with no simple near-tie rule for beam search; the weights were compared above.)
+    # With the plugin, fairseq-generate reads the sharded checkpoint itself (its full weights
+    # from the shard directory, registration.py's patch 8): the same bits as the export, the
+    # same code, so exactly the export's translations
     sharded, _ = generate(root / "run" / "checkpoint_last.pt", "--user-dir",
                           str(REPO / "fairseq_fsdp2"))
     assert sharded == hyps

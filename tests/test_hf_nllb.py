@@ -50,11 +50,13 @@ TINY = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=128,
             max_position_embeddings=512, encoder_layerdrop=0.0, decoder_layerdrop=0.0,
             init_std=0.5)  # large weights: greedy outputs that differ by source, far from ties
 MAX_LEN = 12  # fairseq-generate --max-len-b: tokens before the forced end of sentence
-# Float tolerance for HF vs fairseq logits. Both run the same float32 operations in other
-# kernels and orders (HF: SDPA over separate q/k/v; fairseq: torch's multi_head_attention_forward).
-# A reordered sum of n terms moves by at most about n*u*sum|terms| (u = 2**-24); with n <= 128
-# (the ffn) and 8 sublayers, each followed by a layer norm that keeps activations O(1), the
-# logits differ by less than 8*128*u*max|logit| ~ 6e-5*max|logit|.
+# Float tolerance for HF vs fairseq logits, relative to max(1, max |logit|): EMPIRICAL. Both
+# run the same float32 operations in other kernels and orders (HF: SDPA over separate q/k/v;
+# fairseq: torch's multi_head_attention_forward). No sound bound is derived: each of the 10
+# sublayers' sums is reordered (n up to 128 terms), then layer norms divide by a standard
+# deviation and softmax exponentiates, so how far the logits move depends on the weights
+# (init_std 0.5 here). Measured on an AMD EPYC (Zen 2): 7.5e-7 (hub weights) and 8.3e-7 (the
+# fine-tuned export), a margin of about 120; a wrong weight mapping moves logits by O(1).
 LOGIT_RTOL = 1e-4
 
 

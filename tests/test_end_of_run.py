@@ -15,18 +15,14 @@ import shutil
 import subprocess
 import sys
 import weakref
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import PLUGIN, REPO, TINY_MODEL, TRAINING
+from conftest import FIXTURE_DEPS, PLUGIN, REPO, TINY_MODEL, TRAINING, need_fixture_dep
 from launcher import run_ranks, train_inner
 
 PROBES = str(REPO / "tests" / "probes")
-#: test-only packages (see requirements-dev.txt); another folder for a checkout whose .venv is
-#: shared and not its own to install into
-FIXTURE_DEPS = Path(os.environ.get("FAIRSEQ_FSDP2_FIXTURE_DEPS", Path(sys.prefix) / "fixture-deps"))
 UPDATES, LOG_EVERY = 20, 5
 #: --heartbeat-timeout: it bounds the rendezvous of two fresh interpreters and every collective
 #: of the run, so it must outlast a rank descheduled on a loaded 2-core machine (seen: imports
@@ -36,8 +32,7 @@ TIMEOUT_S = 10
 
 @pytest.fixture(scope="module")
 def finished(corpus, tmp_path_factory):
-    if not (FIXTURE_DEPS / "tensorboard").is_dir():
-        pytest.skip(f"no tensorboard in {FIXTURE_DEPS}: run scripts/setup.sh")
+    need_fixture_dep("tensorboard", "for --tensorboard-logdir")
     root = tmp_path_factory.mktemp("end-of-run")
     (root / "end").mkdir()
     args = [corpus, "--user-dir", PLUGIN, *TINY_MODEL, *TRAINING, "--ddp-backend", "fsdp2",

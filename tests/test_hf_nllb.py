@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import filecmp
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -33,7 +32,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import PLUGIN, TESTS
+from conftest import FIXTURE_DEPS, PLUGIN, TESTS, need_fixture_dep
 from launcher import base_env, finish_ranks, ok, start_command, start_ranks, train_inner
 
 from fairseq_fsdp2.checkpoint import hf_nllb
@@ -42,8 +41,6 @@ from fairseq_fsdp2.data import hf_vocab, numbers
 from fairseq_fsdp2.data.prepare import prepare, read_lines, train_spm
 from fairseq_fsdp2.errors import CheckpointError
 
-FIXTURE_DEPS = Path(os.environ.get("FAIRSEQ_FSDP2_FIXTURE_DEPS",
-                                   Path(sys.prefix) / "fixture-deps"))  # transformers & co
 PAIR = ("eng_Latn", "fra_Latn")
 TINY = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=128,
             decoder_ffn_dim=128, encoder_attention_heads=4, decoder_attention_heads=4,
@@ -74,9 +71,7 @@ def finish(proc: subprocess.Popen, timeout=300) -> str:
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    if not (FIXTURE_DEPS / "transformers").is_dir():
-        pytest.skip(f"no transformers in {FIXTURE_DEPS} for the reference side: run "
-                    "scripts/setup.sh")
+    need_fixture_dep("transformers", "for the reference side")
     root = tmp_path_factory.mktemp("hf_nllb")
     numbers.write_corpus(root / "raw", [PAIR], n_train=600, n_valid=30, n_test=30, seed=2)
     texts = [line for lang in PAIR

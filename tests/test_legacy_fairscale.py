@@ -22,10 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TESTS, TINY_MODEL, TRAINING
+from conftest import FIXTURE_DEPS, TESTS, TINY_MODEL, TRAINING, need_fixture_dep
 from launcher import run_command, run_ranks
 
-FIXTURE_DEPS = Path(sys.prefix) / "fixture-deps"  # fairscale, see requirements-dev.txt
 
 
 def save_shards(corpus: str, out: str) -> None:
@@ -101,8 +100,7 @@ class SmallNet(torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def legacy_save(corpus, tmp_path_factory):
-    if not (FIXTURE_DEPS / "fairscale").is_dir():
-        pytest.skip(f"no fairscale in {FIXTURE_DEPS} to write the shards: run scripts/setup.sh")
+    need_fixture_dep("fairscale", "to write the shards")
     out = tmp_path_factory.mktemp("legacy")
     path = os.pathsep.join([str(TESTS), str(FIXTURE_DEPS), os.environ.get("PYTHONPATH", "")])
     results = run_ranks(2, lambda r: [corpus, out], module="test_legacy_fairscale",

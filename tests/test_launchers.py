@@ -33,7 +33,11 @@ from launcher import (FORKED_WORKER, finish_ranks, free_port, ok, start_ranks, s
 
 PROBES = str(REPO / "tests" / "probes")
 FAULT_POINT = [*FORKED_WORKER, "fault_point"]  # torchrun's entry: tests/probes/fault_point.py
-FAIRSEQ_TRAIN = [*FORKED_WORKER, "fairseq_cli.train"]  # the same as fairseq-train
+# `python -m fairseq_cli.train`: fairseq_cli/train.py run as __main__, which takes
+# registration.py's __main__ branch of the Trainer patch; the fairseq-train console script
+# imports the module instead (the other branch): tests/probes/fault_point.py here, the command
+# itself in tests/test_nllb_finetune.py
+FAIRSEQ_TRAIN = [*FORKED_WORKER, "fairseq_cli.train"]
 UPDATES = 8
 FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", "--save-interval-updates", "2",
          "--heartbeat-timeout", "60", "--num-workers", "0", "--no-epoch-checkpoints"]
@@ -104,8 +108,12 @@ def assert_one_survivor_line(out: str, save_dir, update: int, restarts_left: boo
 
 def timings(out: str) -> str:
     """For the report (pytest -s): seconds from the kill to the agent's SIGTERM (torchrun's log
-    time) and to the restarted attempt's first update (fairseq's log time: whole seconds)."""
-    kill = float(re.search(r"FAULT_KILL (\d+\.\d+)", out).group(1))
+    time) and to the restarted attempt's first update (fairseq's log time: whole seconds).
+    Called after the run's checks, so that a failing run shows its own output."""
+    killed = re.search(r"FAULT_KILL (\d+\.\d+)", out)
+    if killed is None:
+        return "no kill logged"
+    kill = float(killed.group(1))
     day = datetime.fromtimestamp(kill).strftime("%Y-%m-%d")
     said = []
     term = re.search(r"^W\d{4} (\S+) .*closing signal SIGTERM", out, re.M)
@@ -129,7 +137,6 @@ def test_torchrun_default_a_lost_worker_stops_the_job_with_one_line(corpus, refe
                      {"FAULT": "forward:3:1"})
     agent.wait(TIMEOUT_S)
     out = agent.output()
-    print(f"\ntorchrun, lost worker: {timings(out)}")
     assert agent.returncode == 1, out[-4000:]
     # the agent's report: its own traceback and the table, whose root cause is rank 1
     report = out[out.index("Traceback (most recent call last)"):]
@@ -139,6 +146,7 @@ def test_torchrun_default_a_lost_worker_stops_the_job_with_one_line(corpus, refe
     assert "Traceback" not in out[:out.index(report)], "a worker printed a traceback"
     assert_one_survivor_line(out, save_dir, 3, restarts_left=False)
     assert_losses(out, reference, [1, 2])
+    print(f"\ntorchrun, lost worker: {timings(out)}")
 
 
 def test_torchrun_max_restarts_resumes_by_itself(corpus, reference, tmp_path):
@@ -152,7 +160,6 @@ def test_torchrun_max_restarts_resumes_by_itself(corpus, reference, tmp_path):
                      str(tmp_path / "log"), {"FAULT": "forward:6:1"})
     agent.wait(TIMEOUT_S)
     out = agent.output()
-    print(f"\ntorchrun --max-restarts 1: {timings(out)}")
     assert agent.returncode == 0, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
     assert_one_survivor_line(out, save_dir, 6, restarts_left=True)
@@ -161,6 +168,7 @@ def test_torchrun_max_restarts_resumes_by_itself(corpus, reference, tmp_path):
     assert resumed_at(first) == [] and resumed_at(restarted) == [4], out[-4000:]
     assert_losses(first, reference, [1, 2, 3, 4, 5])
     assert_losses(restarted, reference, [5, 6, 7, 8])
+    print(f"\ntorchrun --max-restarts 1: {timings(out)}")
 
 
 def slurm_env(scontrol: str, nodes: int, tasks_per_node: int, node: int, local: int) -> dict:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test suite: installs the pinned environment (scripts/setup.sh), then runs pytest.
-# Extra arguments go to pytest, e.g. scripts/test.sh -k plan
+# Extra arguments go to pytest, e.g. scripts/test.sh -k plan, or scripts/test.sh -m "not slow"
+# while iterating (leaves out the tests marked slow, pyproject.toml); without them: everything.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup.sh"

@@ -37,6 +37,7 @@ def runs(corpus, tmp_path_factory):
 ADAM = ["--optimizer", "adam", "--lr", "1e-3"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer, updates", [(ADAM, 20), (["--optimizer", "sgd", "--lr", "0.5"], 8)])
 def test_fsdp2_equals_stock_legacy_ddp(runs, optimizer, updates):
     """Per-update loss and (clipped) gnorm equal fairseq's own 2-rank DDP on the same data
@@ -116,6 +117,7 @@ def test_root_reshard_setting_takes_effect(corpus):
                                 "layer": "resharded"}
 
 
+@pytest.mark.slow
 def test_four_ranks_reshard_degree_hsdp_and_fused_loss_match_the_stock_path(train_args):
     """4 ranks, each against plain FSDP2 with the stock criterion and no tied-gradient buffer
     (the stock path): reshard degree 2; HSDP (2 replicas x 2 shards, root always); the recipe's
@@ -180,6 +182,7 @@ def assert_no_overflow(output: str) -> None:
     assert "gradient overflow" not in output and len(scales) == 1, scales
 
 
+@pytest.mark.slow
 def test_fp16_equals_stock_fp16(runs):
     """--fp16 against stock fairseq's 2-rank legacy_ddp --fp16 over 20 updates. Both keep
     fp32 master weights (stock: FP16Optimizer's fp32 copy; the plugin: the fp32 shards), cast
@@ -221,6 +224,7 @@ def test_memory_efficient_fp16_is_fp16():
             "MemoryEfficientFP16Optimizer"
 
 
+@pytest.mark.slow
 def test_bf16_against_fp32(runs, corpus, tmp_path):
     """Stock fairseq's --bf16 turns on TPU mode (fairseq/options.py: bf16 implies --tpu) and
     cannot run without torch_xla: on this CPU it fails at start, so the plugin's bf16 run is
@@ -234,6 +238,7 @@ def test_bf16_against_fp32(runs, corpus, tmp_path):
     assert per_update(ours) != per_update(fp32)  # bf16 really computed in bf16
 
 
+@pytest.mark.slow
 def test_cpu_offload_and_activation_checkpointing_equal_plain_fsdp2(runs):
     """--cpu-offload (FSDP2's CPUOffloadPolicy: shards, gradients and the optimizer step on the
     CPU) and --checkpoint-activations (recomputed in backward, same dropout masks) compute the

@@ -36,6 +36,7 @@ def saved_run(corpus, tmp_path_factory):
     return root, args, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, update_freq", [(2, 2), (1, 4), (4, 1)])
 def test_resume_from_update_2_matches_uninterrupted(saved_run, world, update_freq):
     """Every resumed update (3..10) has the uninterrupted run's loss and gradient norm."""
@@ -67,6 +68,7 @@ def test_resume_from_update_2_matches_uninterrupted(saved_run, world, update_fre
                          2.0 ** (FP32_REORDERED * nll) - 1, "ppl")
 
 
+@pytest.mark.slow
 def test_fp16_resume_is_exact_loss_scale_included(corpus, tmp_path):
     """--fp16 (fairseq's loss-scaling wrapper around the optimizer): resumed from update 3's
     save at the same world size, every update is the uninterrupted run's, bit for bit, the
@@ -135,6 +137,7 @@ def test_shards_of_deleted_checkpoints_are_collected(train_args, tmp_path):
     assert len(present - referenced) == 1
 
 
+@pytest.mark.slow
 def test_consolidated_export_equals_stock_ddp_and_stock_generate_reads_it(saved_run, corpus,
                                                                            tmp_path):
     root, args, _ = saved_run
@@ -239,6 +242,7 @@ def test_missing_shard_of_another_rank_is_refused_with_one_line(saved_run, tmp_p
     assert not list((tmp_path / "new").glob("*.pt"))  # nothing written
 
 
+@pytest.mark.slow
 def test_kill_during_save_leaves_previous_checkpoint_loadable(saved_run, corpus, tmp_path):
     root, args, _ = saved_run
     save_dir = tmp_path / "killed"
@@ -259,6 +263,7 @@ def test_kill_during_save_leaves_previous_checkpoint_loadable(saved_run, corpus,
     assert sorted(got) == list(range(3, 11)) and all(got[n] == want[n] for n in got), (got, want)
 
 
+@pytest.mark.slow
 def test_pretrained_stock_checkpoint_loads_without_full_copies_on_every_rank(corpus, tmp_path):
     """--finetune-from-model with a stock fairseq checkpoint (as released NLLB ones are): rank 0
     holds about one full copy while loading, other ranks about their shard plus one tensor."""

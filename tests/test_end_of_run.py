@@ -47,6 +47,7 @@ def finished(corpus, tmp_path_factory):
     return root, results
 
 
+@pytest.mark.slow
 def test_successful_ranks_exit_0_after_running_their_exit_handlers(finished):
     root, results = finished
     for r in results:
@@ -54,6 +55,7 @@ def test_successful_ranks_exit_0_after_running_their_exit_handlers(finished):
         assert (root / "end" / f"atexit-rank{r.rank}").is_file(), f"rank {r.rank}'s atexit"
 
 
+@pytest.mark.slow
 def test_tensorboard_events_hold_the_memory_peak_of_every_log_interval(finished):
     root, results = finished
     printed = {int(r["num_updates"]): float(r["mem_peak_gb_max"])
@@ -73,6 +75,7 @@ def test_tensorboard_events_hold_the_memory_peak_of_every_log_interval(finished)
         assert abs(logged[step] - value) < 1e-6, (step, logged[step], value)
 
 
+@pytest.mark.slow
 def test_other_ranks_leave_while_rank_0_exports_longer_than_the_timeout(finished):
     """The probe holds rank 0's export (before it reads the shards) until rank 1's process has
     ended and SLOW_EXPORT_S > --heartbeat-timeout has passed, or GIVE_UP_S. That length is the
@@ -109,6 +112,7 @@ def test_exit_handlers_run_as_the_plugin_relies_on():
     assert "ZeroDivisionError" in proc.stderr
 
 
+@pytest.mark.slow
 def test_the_export_holds_one_full_copy_at_a_time(finished, tmp_path, monkeypatch):
     from fairseq_fsdp2.checkpoint import consolidate, sharded
 

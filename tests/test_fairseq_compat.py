@@ -196,6 +196,7 @@ def epochs(corpus, tmp_path_factory):
     return tiny_model_scenario(corpus, tmp_path_factory, "epochs", EPOCHS)
 
 
+@pytest.mark.slow
 def test_batch_size_update_freq_per_epoch_and_max_epoch_as_stock(epochs):
     ours, stock = updates(epochs.fsdp2), updates(epochs.stock)
     assert sorted(ours) == list(range(1, 17))  # 8 + 4 + 4: the update-freq of each epoch
@@ -205,6 +206,7 @@ def test_batch_size_update_freq_per_epoch_and_max_epoch_as_stock(epochs):
         assert "end of epoch 4" not in out
 
 
+@pytest.mark.slow
 def test_keep_interval_updates_keeps_the_same_files_as_stock(epochs):
     kept = checkpoint_files(epochs.save_dir("fsdp2"))
     assert kept == checkpoint_files(epochs.save_dir("stock"))
@@ -212,6 +214,7 @@ def test_keep_interval_updates_keeps_the_same_files_as_stock(epochs):
     assert "checkpoint_1_6.pt" not in kept and "checkpoint3.pt" in kept
 
 
+@pytest.mark.slow
 def test_log_format_simple_prints_every_update_and_empty_cache_freq_is_accepted(epochs):
     """--log-format simple: its per-update lines carry what the json lines carry (parsed by
     ``updates``). --empty-cache-freq 2 is on both runs' command lines, which make the same
@@ -237,6 +240,7 @@ def epochs_killed(epochs):
     return runs
 
 
+@pytest.mark.slow
 def test_resume_is_exact_mid_epoch_at_epoch_end_and_after_the_last_update(epochs,
                                                                           epochs_killed):
     """fairseq resumed at an epoch end regroups sentences into other batches (platform notes);
@@ -263,6 +267,7 @@ def validation(corpus, tmp_path_factory):
     return tiny_model_scenario(corpus, tmp_path_factory, "validation", VALIDATION)
 
 
+@pytest.mark.slow
 def test_eval_bleu_validation_figures_as_stock(validation):
     ours, stock = valid_records(validation.fsdp2), valid_records(validation.stock)
     assert len(ours) == len(stock) >= 3
@@ -273,6 +278,7 @@ def test_eval_bleu_validation_figures_as_stock(validation):
     assert_same_training(updates(validation.fsdp2), updates(validation.stock))
 
 
+@pytest.mark.slow
 def test_patience_stops_at_the_same_update_as_stock(validation):
     stop = "early stop since valid performance hasn't improved for last 2 runs"
     assert stop in validation.fsdp2 and stop in validation.stock
@@ -285,6 +291,7 @@ def pickled(path: Path) -> bytes:
         return z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
 
 
+@pytest.mark.slow
 def test_best_checkpoints_by_bleu_are_the_same_files_and_hold_no_numpy(validation):
     """--best-checkpoint-metric bleu --maximize-best-checkpoint-metric --keep-best-checkpoints
     2: the same files as stock; fairseq pickles the BLEU meters' numpy arrays, the plugin
@@ -312,6 +319,7 @@ def validation_killed(validation):
     return end, validation.run("killed")
 
 
+@pytest.mark.slow
 def test_best_score_and_patience_count_survive_a_kill(validation, validation_killed):
     """The rerun resumes at the epoch end with fairseq's best BLEU and the plugin's saved
     patience count: the uninterrupted run's updates and validation figures, and it stops where
@@ -327,6 +335,7 @@ def test_best_score_and_patience_count_survive_a_kill(validation, validation_kil
 
 # --- loading stock checkpoints that hold numpy ----------------------------------------------------
 
+@pytest.mark.slow
 def test_numpy_in_stock_checkpoints_loads_and_other_classes_are_refused(validation, tmp_path):
     from fairseq_fsdp2.checkpoint.safe_load import read_checkpoint_file
     from fairseq_fsdp2.errors import CheckpointError
@@ -392,6 +401,7 @@ def from_stock(validation):
     return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["finetune", "restore", "reset"])
 def test_starting_from_a_stock_eval_bleu_checkpoint_as_stock(from_stock, kind):
     """--finetune-from-model, --restore-file with the stock optimizer state resharded and
@@ -413,6 +423,7 @@ def test_starting_from_a_stock_eval_bleu_checkpoint_as_stock(from_stock, kind):
     assert_same_training(updates(ours), updates(stock))
 
 
+@pytest.mark.slow
 def test_stock_legacy_ddp_goes_on_from_an_fsdp2_checkpoint_with_a_new_optimizer(from_stock):
     """Back to stock DDP: legacy_ddp given the plugin's sharded checkpoint_best.pt with
     --reset-optimizer reads its full weights (registration.py's patch 8) and makes the same
@@ -424,6 +435,7 @@ def test_stock_legacy_ddp_goes_on_from_an_fsdp2_checkpoint_with_a_new_optimizer(
 
 # --- resuming at another world size ----------------------------------------------------------------
 
+@pytest.mark.slow
 def test_resume_at_epoch_end_on_one_rank_with_double_update_freq(validation):
     """The validation scenario (no dropout) resumed from its first epoch-end checkpoint on 1 rank
     x update-freq 2: the same global batches, so the same updates (module docstring)."""
@@ -466,6 +478,7 @@ def saved_state_keys(checkpoint: Path) -> set[str]:
                .state_dict_metadata)
 
 
+@pytest.mark.slow
 def test_adafactor_and_checkpoint_suffix_as_stock_and_resumed_from_own_or_stock_checkpoint(
         adafactor):
     """fairseq's Adafactor keeps row and column means of each matrix's squared gradient
@@ -531,6 +544,7 @@ def multilingual(tmp_path_factory):
     return Scenario(root, args, "multilingual", stock_model=STOCK_NLLB_TINY)
 
 
+@pytest.mark.slow
 def test_multilingual_temperature_sampling_virtual_epochs_as_stock(multilingual):
     ours = updates(multilingual.fsdp2)
     assert sorted(ours) == list(range(1, 11))
@@ -553,6 +567,7 @@ def mid_virtual_epoch(save: Path) -> tuple[Path, int]:
     return path, update
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 1])
 def test_multilingual_resumed_mid_virtual_epoch(multilingual, ranks):
     """Resumed (--restore-file, the file a kill after that save leaves) in the middle of a

@@ -63,6 +63,7 @@ def resumed_at(output: str) -> int:
     return int(found.group(1)) if found else 0
 
 
+@pytest.mark.slow
 def test_killed_ranks_are_named_and_restarts_reproduce_the_uninterrupted_run(train_args,
                                                                               tmp_path):
     """6 seeded kill points (one rank or all; in forward, backward, the optimizer step, and
@@ -164,6 +165,7 @@ def test_a_rank_whose_peer_never_comes_gives_up_after_the_timeout(train_args):
     assert f"{timeout * 1000}ms" in lines[0], lines[0]  # torch's store waited those 5 s
 
 
+@pytest.mark.slow
 def test_disk_full_during_a_save_keeps_the_previous_checkpoint(train_args, tmp_path):
     save_dir = tmp_path / "ckpt"
     results, _ = run(train_args, save_dir, "disk-full:4:all", tmp_path, updates=7)

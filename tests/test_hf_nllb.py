@@ -295,6 +295,7 @@ def finetuned(hub):
     return SimpleNamespace(save=hub.root / "from_hf", outputs=outputs)
 
 
+@pytest.mark.slow
 def test_finetune_from_hf_weights_has_the_fairseq_checkpoints_first_update(finetuned):
     from_hf = train_inner(finetuned.outputs["from_hf"])
     from_fairseq = train_inner(finetuned.outputs["from_fairseq"])
@@ -305,6 +306,7 @@ def test_finetune_from_hf_weights_has_the_fairseq_checkpoints_first_update(finet
     assert float(from_hf[-1]["loss"]) < float(from_hf[0]["loss"]) - 1.0  # and it trains
 
 
+@pytest.mark.slow
 def test_export_loads_in_transformers_and_matches_fairseq(hub, finetuned, tmp_path):
     from fairseq.data import data_utils
 

@@ -128,6 +128,7 @@ def timings(out: str) -> str:
     return ", ".join(said)
 
 
+@pytest.mark.slow
 def test_torchrun_default_a_lost_worker_stops_the_job_with_one_line(corpus, reference,
                                                                     tmp_path):
     """torchrun with its default settings; worker 1 is SIGKILLed in update 3."""
@@ -149,6 +150,7 @@ def test_torchrun_default_a_lost_worker_stops_the_job_with_one_line(corpus, refe
     print(f"\ntorchrun, lost worker: {timings(out)}")
 
 
+@pytest.mark.slow
 def test_torchrun_max_restarts_resumes_by_itself(corpus, reference, tmp_path):
     """The same command with --max-restarts 1: the agent restarts both workers, which resume
     from update 4 (the newest checkpoint; saves every 2 updates) and finish with the
@@ -202,6 +204,7 @@ def srun(scontrol, nodes: int, tasks_per_node: int, args) -> list:
         TIMEOUT_S)
 
 
+@pytest.mark.slow
 def test_slurm_both_modes_and_two_nodes_continue_one_training(corpus, reference, scontrol,
                                                               tmp_path):
     """One training, 1 update per launch, each launch resuming the previous one's checkpoint

@@ -111,6 +111,7 @@ def legacy_save(corpus, tmp_path_factory):
     return out, torch.load(out / "references.pt", weights_only=True)
 
 
+@pytest.mark.slow
 def test_consolidated_equals_the_model_and_stock_generate_reads_it(legacy_save, corpus, tmp_path):
     from fairseq_fsdp2.checkpoint import legacy_fairscale
     from fairseq_fsdp2.checkpoint.consolidate import main
@@ -142,6 +143,7 @@ def test_consolidated_equals_the_model_and_stock_generate_reads_it(legacy_save, 
     assert sum(l.startswith("H-") for l in proc.output.splitlines()) > 90
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flatten", [True, False])
 def test_padding_ties_and_buffers(legacy_save, flatten):
     from fairseq_fsdp2.checkpoint.legacy_fairscale import consolidate_shard_weights
@@ -162,6 +164,7 @@ def test_padding_ties_and_buffers(legacy_save, flatten):
         assert weights[a] is weights[b]
 
 
+@pytest.mark.slow
 def test_incomplete_or_mixed_shards_are_refused_with_one_line(legacy_save, tmp_path, capsys):
     from fairseq_fsdp2.checkpoint.consolidate import main
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test suite: installs the pinned environment (scripts/setup.sh), then runs pytest.
-# Extra arguments go to pytest, e.g. scripts/test.sh -k plan
+# Extra arguments go to pytest, e.g. scripts/test.sh -k plan, or scripts/test.sh -m "not slow"
+# while iterating (leaves out the tests marked slow, pyproject.toml); without them: everything.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup.sh"
@@ -11,6 +12,9 @@ cd "$root"
 # the cache anyway, and Python reads it whatever that variable says.
 "$root/.venv/bin/python" -m compileall -q fairseq_fsdp2 tests >/dev/null
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-65536}"
+# The test-only packages setup.sh installed (.venv/fixture-deps) are part of the suite: a
+# missing one fails the tests that need it instead of skipping them (tests/conftest.py).
+export FAIRSEQ_FSDP2_REQUIRE_FIXTURE_DEPS=1
 # Two pytest workers (pytest-xdist), one per core: alone, the suite leaves a core idle a third
 # of the time (ranks waiting on each other, heartbeat timeouts, one-process steps). Each worker
 # takes whole files (--dist loadfile), so a file's shared runs are made once, longest files

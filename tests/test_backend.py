@@ -26,8 +26,10 @@ def runs(corpus, tmp_path_factory):
         key = (tuple(map(str, flags)), updates, stock)
         if key not in done:
             save = tmp_path_factory.mktemp("run")
+            # stock: fairseq alone, no --user-dir (conftest.train_args_for)
             done[key] = ok(run_ranks(2, lambda r: train_args_for(
-                corpus, save, *(stock_ddp(r, 2) if stock else FSDP2), *flags, updates=updates)))
+                corpus, save, *(stock_ddp(r, 2) if stock else FSDP2), *flags, updates=updates,
+                plugin=not stock)))
         return done[key]
     return run
 
@@ -35,6 +37,7 @@ def runs(corpus, tmp_path_factory):
 ADAM = ["--optimizer", "adam", "--lr", "1e-3"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer, updates", [(ADAM, 20), (["--optimizer", "sgd", "--lr", "0.5"], 8)])
 def test_fsdp2_equals_stock_legacy_ddp(runs, optimizer, updates):
     """Per-update loss and (clipped) gnorm equal fairseq's own 2-rank DDP on the same data
@@ -114,6 +117,7 @@ def test_root_reshard_setting_takes_effect(corpus):
                                 "layer": "resharded"}
 
 
+@pytest.mark.slow
 def test_four_ranks_reshard_degree_hsdp_and_fused_loss_match_the_stock_path(train_args):
     """4 ranks, each against plain FSDP2 with the stock criterion and no tied-gradient buffer
     (the stock path): reshard degree 2; HSDP (2 replicas x 2 shards, root always); the recipe's
@@ -150,22 +154,19 @@ def test_fp16_overflow_skips_on_every_rank_and_trains(train_args):
 
 def precision_tolerance(u: float, runs_rounding: int = 2) -> float:
     """Relative tolerance for the printed loss and gnorm of a reduced-precision run against
-    another run of the same model and data (see the tests below for what each run rounds).
+    another run of the same model and data (see the tests below for what each run rounds):
+    EMPIRICAL, runs_rounding x 3 x STAGES x u.
 
     The forward and backward of the tiny model pass through STAGES stages that round their
     result to the compute format (embedding, 2 encoder layers x (self-attention, FFN),
     2 decoder layers x (self-attention, cross-attention, FFN), output projection; matmuls
-    accumulate in fp32 and the loss's log-softmax is fp32 in both). Each stage adds at most
-    one unit roundoff u relative to the values it passes on, so a run's loss and gradients
-    are within STAGES x u of the exact ones. The weights both runs use are fp32 master
-    weights whose updates come from these gradients: Adam's step changes by at most the
-    same relative amount, 2 x STAGES x u of an lr-sized step (m / sqrt(v): the error enters
-    twice), which moves the loss by at most that fraction of what the steps changed it by
-    (< the first loss, which bounds the total decrease). Hence, per run that rounds:
-    STAGES x u x (|loss| + 2 x first loss) <= 3 x STAGES x u x first loss, relative to a
-    loss that never exceeds the first by more than the same amount. A worst case (every
-    rounding in the same direction): measured on this machine over 20 updates, fp16 against
-    stock 1.8e-3 (bound 3.5e-2), bf16 against fp32 2.7e-3 (bound 1.4e-1)."""
+    accumulate in fp32 and the loss's log-softmax is fp32 in both). One unit roundoff u per
+    stage, the error entering Adam's m / sqrt(v) twice and moving the loss by at most what the
+    steps moved it, gives that figure as an estimate, not a bound: layer norms divide by a
+    standard deviation, softmax exponentiates and Adam normalises small gradient elements, so
+    a rounding can be amplified beyond u. Measured over these 20 updates (AMD EPYC, Zen 2):
+    fp16 against stock 1.7e-3 (tolerance 3.5e-2: margin 20), bf16 against fp32 3.5e-3
+    (tolerance 1.4e-1: margin 40)."""
     return runs_rounding * 3 * STAGES * u
 
 
@@ -178,6 +179,7 @@ def assert_no_overflow(output: str) -> None:
     assert "gradient overflow" not in output and len(scales) == 1, scales
 
 
+@pytest.mark.slow
 def test_fp16_equals_stock_fp16(runs):
     """--fp16 against stock fairseq's 2-rank legacy_ddp --fp16 over 20 updates. Both keep
     fp32 master weights (stock: FP16Optimizer's fp32 copy; the plugin: the fp32 shards), cast
@@ -220,12 +222,13 @@ def test_memory_efficient_fp16_is_fp16():
             "MemoryEfficientFP16Optimizer"
 
 
+@pytest.mark.slow
 def test_bf16_against_fp32(runs, corpus, tmp_path):
     """Stock fairseq's --bf16 turns on TPU mode (fairseq/options.py: bf16 implies --tpu) and
     cannot run without torch_xla: on this CPU it fails at start, so the plugin's bf16 run is
     compared with its own fp32 run instead: only the bf16 run rounds, u = 2^-8."""
-    (stock,) = run_ranks(1, lambda r: train_args_for(corpus, tmp_path, "--bf16", updates=1),
-                         torchrun_env=False)
+    (stock,) = run_ranks(1, lambda r: train_args_for(corpus, tmp_path, "--bf16", updates=1,
+                                                     plugin=False), torchrun_env=False)
     assert stock.returncode != 0 and "get_tpu_device" in stock.output, stock.output[-2000:]
     ours = runs(*ADAM, "--bf16", updates=20)
     fp32 = runs(*ADAM, updates=20)
@@ -233,6 +236,7 @@ def test_bf16_against_fp32(runs, corpus, tmp_path):
     assert per_update(ours) != per_update(fp32)  # bf16 really computed in bf16
 
 
+@pytest.mark.slow
 def test_cpu_offload_and_activation_checkpointing_equal_plain_fsdp2(runs):
     """--cpu-offload (FSDP2's CPUOffloadPolicy: shards, gradients and the optimizer step on the
     CPU) and --checkpoint-activations (recomputed in backward, same dropout masks) compute the

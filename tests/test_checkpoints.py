@@ -12,7 +12,7 @@ import fairseq_fsdp2  # noqa: F401  (allow-lists the classes fairseq pickles for
 from conftest import REPO, stock_ddp
 from launcher import ok, run_command, run_ranks, train_inner, train_summary
 from numerics import (FP32_REORDERED, ZERO_GRADIENT_SUFFIXES, adam_drift_bound, adam_step_bound,
-                      assert_runs_close, per_update, printed_close)
+                      assert_runs_close, per_update, printed_close, printed_half_unit)
 
 FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1"]
 # no dropout: fairseq seeds dropout per update (same on every rank), so masks depend on how
@@ -27,13 +27,16 @@ def saved_run(corpus, tmp_path_factory):
     from conftest import PLUGIN, TINY_MODEL, TRAINING
     root = tmp_path_factory.mktemp("saved")
 
-    def args(save_dir, *extra, backend=FSDP2):
-        return [str(corpus), "--user-dir", PLUGIN, *TINY_MODEL, *TRAINING, *backend, *EXACT,
-                "--max-update", "10", "--save-dir", str(save_dir), *map(str, extra)]
+    def args(save_dir, *extra, backend=FSDP2, plugin=True):
+        # plugin=False: stock fairseq's reference runs, without --user-dir
+        return [str(corpus), *(["--user-dir", PLUGIN] if plugin else []), *TINY_MODEL,
+                *TRAINING, *backend, *EXACT, "--max-update", "10", "--save-dir", str(save_dir),
+                *map(str, extra)]
     out = ok(run_ranks(2, lambda r: args(root / "run", "--update-freq", 2)))
     return root, args, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, update_freq", [(2, 2), (1, 4), (4, 1)])
 def test_resume_from_update_2_matches_uninterrupted(saved_run, world, update_freq):
     """Every resumed update (3..10) has the uninterrupted run's loss and gradient norm."""
@@ -47,14 +50,25 @@ def test_resume_from_update_2_matches_uninterrupted(saved_run, world, update_fre
         if world == 2:  # the same ranks, batches and reduction order: the same bits
             assert got[n] == want[n], (n, got[n], want[n])
         else:  # another split of the global batch over ranks and micro-batches
-            for a, b in zip(got[n], want[n]):
-                assert printed_close(a, b, FP32_REORDERED), (n, got[n], want[n])
+            for key, a, b in zip(("loss", "gnorm"), got[n], want[n]):
+                assert printed_close(a, b, FP32_REORDERED, key), (n, got[n], want[n])
     # and the epoch averages, which include the restored updates 1-2
     expected, summary = train_summary(full), train_summary(out)
-    for key in FIELDS:
-        assert printed_close(summary[key], expected[key], FP32_REORDERED if world != 2 else 0), key
+    if world == 2:  # the same bits, so the same printed strings
+        assert {k: summary[k] for k in FIELDS} == {k: expected[k] for k in FIELDS}
+        return
+    assert summary["train_num_updates"] == expected["train_num_updates"]
+    for key in ("train_loss", "train_gnorm"):
+        assert printed_close(summary[key], expected[key], FP32_REORDERED, key), key
+    # ppl is 2^nll_loss: true nll losses within FP32_REORDERED x nll of each other give
+    # perplexities within a factor 2^(FP32_REORDERED x nll)
+    nll = float(expected["train_nll_loss"]) + printed_half_unit(expected["train_nll_loss"],
+                                                                 "nll_loss")
+    assert printed_close(summary["train_ppl"], expected["train_ppl"],
+                         2.0 ** (FP32_REORDERED * nll) - 1, "ppl")
 
 
+@pytest.mark.slow
 def test_fp16_resume_is_exact_loss_scale_included(corpus, tmp_path):
     """--fp16 (fairseq's loss-scaling wrapper around the optimizer): resumed from update 3's
     save at the same world size, every update is the uninterrupted run's, bit for bit, the
@@ -123,12 +137,14 @@ def test_shards_of_deleted_checkpoints_are_collected(train_args, tmp_path):
     assert len(present - referenced) == 1
 
 
+@pytest.mark.slow
 def test_consolidated_export_equals_stock_ddp_and_stock_generate_reads_it(saved_run, corpus,
                                                                            tmp_path):
     root, args, _ = saved_run
     # fairseq's own 2-rank DDP training of the same model on the same batches
     ddp_dir = tmp_path / "ddp"
-    ok(run_ranks(2, lambda r: args(ddp_dir, "--update-freq", 2, backend=stock_ddp(r, 2))))
+    ok(run_ranks(2, lambda r: args(ddp_dir, "--update-freq", 2, backend=stock_ddp(r, 2),
+                                   plugin=False)))
     ours = root / "run" / "checkpoint_last_consolidated.pt"
     assert ours.exists()  # written at the end of training
     a = torch.load(ours, weights_only=True)["model"]
@@ -142,24 +158,33 @@ def test_consolidated_export_equals_stock_ddp_and_stock_generate_reads_it(saved_
     # is zero: softmax ignores a constant added to every key score) or nearly so (a sum that
     # cancels: seen in k_proj and q_proj weights once the tied-gradient buffer changed the
     # order) takes lr-sized steps in directions the two runs do not share. Every element is
-    # therefore bounded by adam_drift_bound, whatever its gradient. The typical element's
-    # gradient is far above its rounding noise; its step then differs by that relative noise
-    # (<= FP32_REORDERED) of an lr-sized step per update: each tensor's median difference is
-    # bounded by that, and key biases, all noise, by the drift alone.
+    # therefore bounded by adam_drift_bound; but that holds for ANY two 10-step Adam runs from
+    # one start, whatever their gradients: it catches another start (other initial weights),
+    # never a gradient bug. What does: an element whose gradient is far above its rounding
+    # noise takes a step that differs by that relative noise (<= FP32_REORDERED) of an
+    # lr-sized step per update, so its difference is within ``tight``. Only elements whose
+    # gradient cancels to within ~1e4 ulps of zero can go beyond; that they are under 1% of
+    # each tensor is an empirical premise (measured on an AMD EPYC, Zen 2: every tensor's
+    # largest difference within 0.15 x tight, most within 0.03 x). So at most 1% of
+    # each tensor's elements may exceed tight (none of a tensor under 100 elements), which a
+    # wrong gradient (a missed term, a wrong scale of part of a tensor) breaks by orders of
+    # magnitude; key biases, all noise, are bounded by the drift alone.
     lr, updates = 1e-3, 10
     drift = adam_drift_bound(lr, updates)
     tight = FP32_REORDERED * lr * sum(adam_step_bound(t) for t in range(1, updates + 1))
-    worst, typical = 0.0, 0.0
+    worst, beyond = 0.0, 0.0
     for key in b:
         assert a[key].shape == b[key].shape
         diff = (a[key].float() - b[key].float()).abs()
         assert diff.max().item() <= drift, (key, diff.max().item(), drift)
-        if not key.endswith(ZERO_GRADIENT_SUFFIXES) and diff.numel() > 1:
-            assert diff.median().item() <= tight, (key, diff.median().item(), tight)
-            typical = max(typical, diff.median().item())
-        worst = max(worst, diff.max().item())
-    print(f"weights vs stock DDP: largest difference {worst:.2e} (bound {drift:.2e}), largest "
-          f"per-tensor median {typical:.2e} (bound {tight:.2e})")
+        if not key.endswith(ZERO_GRADIENT_SUFFIXES):
+            over = int((diff > tight).sum())
+            assert over <= diff.numel() // 100, (key, over, diff.numel(), diff.max().item(), tight)
+            beyond = max(beyond, over / diff.numel())
+            worst = max(worst, diff.max().item())
+    print(f"weights vs stock DDP: largest difference {worst:.2e} outside key biases (tight "
+          f"{tight:.2e}), largest share beyond tight {beyond:.1%} (1% allowed), drift bound "
+          f"{drift:.2e}")
     assert a["decoder.output_projection.weight"].data_ptr() == \
         a["encoder.embed_tokens.weight"].data_ptr()  # tied, as fairseq stores it
 
@@ -173,11 +198,12 @@ def test_consolidated_export_equals_stock_ddp_and_stock_generate_reads_it(saved_
         return hyps, proc.output
     hyps, out = generate(ours)  # stock fairseq-generate, no --user-dir
     assert len(hyps) > 90 and "BLEU" in out
-    # fairseq's own DDP checkpoint holds an argparse.Namespace, which torch >= 2.6 refuses to
-    # unpickle by default: read it with the plugin's allow-list (generation stays stock)
-    assert hyps == generate(ddp_dir / "checkpoint_last.pt", "--user-dir", str(REPO / "fairseq_fsdp2"))[0]
-    # with the plugin, fairseq-generate reads the sharded checkpoint itself (its full weights
-    # from the shard directory, registration.py's patch 8): the export's translations
+    # (The stock DDP checkpoint's translations are not compared: its weights differ from the
+    # export's by rounding, and a beam step whose two best scores are that close may choose
+    # otherwise, with no simple near-tie rule for beam search; the weights were compared above.)
+    # With the plugin, fairseq-generate reads the sharded checkpoint itself (its full weights
+    # from the shard directory, registration.py's patch 8): the same bits as the export, the
+    # same code, so exactly the export's translations
     sharded, _ = generate(root / "run" / "checkpoint_last.pt", "--user-dir",
                           str(REPO / "fairseq_fsdp2"))
     assert sharded == hyps
@@ -216,6 +242,7 @@ def test_missing_shard_of_another_rank_is_refused_with_one_line(saved_run, tmp_p
     assert not list((tmp_path / "new").glob("*.pt"))  # nothing written
 
 
+@pytest.mark.slow
 def test_kill_during_save_leaves_previous_checkpoint_loadable(saved_run, corpus, tmp_path):
     root, args, _ = saved_run
     save_dir = tmp_path / "killed"
@@ -236,6 +263,7 @@ def test_kill_during_save_leaves_previous_checkpoint_loadable(saved_run, corpus,
     assert sorted(got) == list(range(3, 11)) and all(got[n] == want[n] for n in got), (got, want)
 
 
+@pytest.mark.slow
 def test_pretrained_stock_checkpoint_loads_without_full_copies_on_every_rank(corpus, tmp_path):
     """--finetune-from-model with a stock fairseq checkpoint (as released NLLB ones are): rank 0
     holds about one full copy while loading, other ranks about their shard plus one tensor."""
@@ -283,13 +311,15 @@ def test_pretrained_stock_checkpoint_loads_without_full_copies_on_every_rank(cor
     load_peak0 = float(pairs[0][1])
     assert max(build_peak) < load_peak0 - model_gb, (build_peak, load_peak0, model_gb)
     # and the loaded model is the pretrained one, sinusoidal tables included: the same
-    # losses as stock fairseq's own 2-rank fine-tune from the same file
-    # (--user-dir only for torch.load's allow-list: stock fairseq cannot read its own files)
-    stock = ok(run_ranks(2, lambda r: [str(corpus), "--user-dir", PLUGIN, *big, *TRAINING,
-                                       *batch, *stock_ddp(r, 2),
+    # losses as stock fairseq's own 2-rank fine-tune from the same file (no plugin; torch's
+    # allow-list for the file stock fairseq wrote: tests/probes/stock_trusting.py)
+    stock = ok(run_ranks(2, lambda r: [str(corpus), *big, *TRAINING, *batch, *stock_ddp(r, 2),
                                        "--finetune-from-model", str(pretrained),
                                        "--max-update", "1", "--no-save",
-                                       "--save-dir", str(tmp_path / "stock-ft")]))
+                                       "--save-dir", str(tmp_path / "stock-ft")],
+                         module="stock_trusting",
+                         env={"PYTHONPATH": str(REPO / "tests" / "probes"),
+                              "TRUSTED_CHECKPOINTS": str(pretrained)}))
     # the first update's loss is the loaded weights' loss (and its gnorm their gradient's)
     assert_runs_close(out, stock, FP32_REORDERED, 1)  # float32, sums in another order
 

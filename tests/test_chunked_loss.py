@@ -323,6 +323,7 @@ def loss_step_peak(criterion, model, sample) -> tuple[int, float]:
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"], loss.item()
 
 
+@pytest.mark.slow
 def test_peak_memory_at_nllb_vocabulary():
     tokens, dim, chunk = 512, 32, 64
     task, model = build(NLLB_VOCAB, dim)
@@ -418,6 +419,7 @@ def tolerance(config: str) -> float:
     return (chunks + 2) * u
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", list(FSDP2_CONFIGS))
 def test_fsdp2_fused_loss_and_tied_buffer_match_the_stock_path(fsdp2_runs, config):
     stock, _ = fsdp2_runs[config, "stock"]
@@ -439,6 +441,7 @@ def shared_unit(counts: dict[str, int]) -> str:
     return next(k for k in counts if "embed_tokens" in k)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", list(FSDP2_CONFIGS))
 def test_fsdp2_fused_loss_gathers_the_embedding_as_often_as_the_stock_loss(fsdp2_runs, config):
     """The fused loss needs the weight in forward only: no extra all-gather of the shared

@@ -39,6 +39,7 @@ import torch
 from conftest import PLUGIN, REPO, TINY_MODEL, TRAINING
 from corpus import make_corpus
 from launcher import base_env, free_port, train_inner
+from numerics import FP32_REORDERED, printed_close
 
 from fairseq_fsdp2 import estimate as cli
 from fairseq_fsdp2.data.synthetic import write_random_corpus
@@ -81,9 +82,12 @@ def ok(proc: subprocess.CompletedProcess) -> str:
     return proc.stdout + proc.stderr
 
 
-def tiny(corpus: Path, save_dir: Path, *extra, updates: int = 10, save: bool = False):
-    args = [corpus, "--user-dir", PLUGIN, *TINY_MODEL, *GPU_TRAINING, "--max-update", updates,
-            "--save-dir", save_dir, "--num-workers", "0"]
+def tiny(corpus: Path, save_dir: Path, *extra, updates: int = 10, save: bool = False,
+         plugin: bool = True):
+    """``plugin=False``: stock fairseq's reference runs, without --user-dir (the plugin's
+    global patches must not run on both sides of a comparison)."""
+    args = [corpus, *(["--user-dir", PLUGIN] if plugin else []), *TINY_MODEL, *GPU_TRAINING,
+            "--max-update", updates, "--save-dir", save_dir, "--num-workers", "0"]
     return args + ([] if save else ["--no-save"]) + list(extra)
 
 
@@ -91,16 +95,20 @@ def series(output: str, key: str) -> list[float]:
     return [float(r[key]) for r in train_inner(output)]
 
 
-def assert_printed_equal(a: list[float], b: list[float]) -> None:
-    """Equal at fairseq's printed precision (3 decimals): values whose true difference is
-    below half a unit of the last digit print at most one unit apart."""
+def assert_within(a: list[float], b: list[float], rel: float, key: str) -> None:
+    """Printed values of ``key`` whose true values are within ``rel`` of each other, fairseq's
+    printed rounding allowed on top (tests/numerics.py)."""
     assert len(a) == len(b) and a, (a, b)
-    assert all(abs(x - y) <= 1e-3 + 1e-9 for x, y in zip(a, b)), (a, b)
+    worst = max(abs(x - y) / abs(y) for x, y in zip(a, b) if y)
+    assert all(printed_close(x, y, rel, key) for x, y in zip(a, b)), \
+        f"{key}: largest relative difference {worst:.2e}, tolerance {rel:.2e}: {a} vs {b}"
 
 
-def assert_within(a: list[float], b: list[float], rel: float) -> None:
-    assert len(a) == len(b) and a, (a, b)
-    assert all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b)), (rel, a, b)
+def assert_printed_equal(a: list[float], b: list[float], key: str) -> None:
+    """Two float32 runs of the same arithmetic up to summation order (one GPU: the gradient
+    norm summed shard by shard, the CPU's Adam kernel against the GPU's): FP32_REORDERED
+    (tests/numerics.py), which at these values allows one printed unit and no more."""
+    assert_within(a, b, FP32_REORDERED, key)
 
 
 # -- one GPU: memory at the NLLB dimensions (the fitting table, then the estimator rows) -------
@@ -274,36 +282,41 @@ def fsdp2_fp32(corpus, tmp_path_factory) -> str:
 
 
 def test_fp32_equals_stock_fairseq_on_the_same_gpu(corpus, tmp_path, fsdp2_fp32):
-    """Same kernels, same RNG use (dropout 0.1), fp32 master weights in both: equal."""
-    stock = ok(run(tiny(corpus, tmp_path)))
+    """Same kernels, same RNG use (dropout 0.1), fp32 master weights in both: equal up to
+    summation order (assert_printed_equal)."""
+    stock = ok(run(tiny(corpus, tmp_path, plugin=False)))
     assert "over 1 rank(s)" in fsdp2_fp32
-    assert_printed_equal(series(fsdp2_fp32, "loss"), series(stock, "loss"))
-    assert_printed_equal(series(fsdp2_fp32, "gnorm"), series(stock, "gnorm"))
+    assert_printed_equal(series(fsdp2_fp32, "loss"), series(stock, "loss"), "loss")
+    assert_printed_equal(series(fsdp2_fp32, "gnorm"), series(stock, "gnorm"), "gnorm")
 
 
-# Tolerances for 16-bit compute. Logits are dot products of a layer-normed feature (norm about
-# sqrt(32) = 5.7 with the tiny model's dim 32) and an embedding row (norm about 1): rounding the
-# operands to the compute format (unit roundoff u: 2^-11 fp16, 2^-8 bf16) moves a logit by at
-# most 2u x 5.7, and cross-entropy moves by at most twice the largest logit change, so the loss
-# (about 4.5 = ln of the ~90-word vocabulary) moves by at most 4u x 5.7 / 4.5 = 5u relative;
-# gradients, computed in the same format through 2+2 layers, get 4x that. 5 updates, dropout 0
-# (the dropout kernels of two formats draw their masks differently).
-U = {"fp16": 2 ** -11, "bf16": 2 ** -8}
+# Tolerances for 16-bit compute (relative, on the printed loss and gnorm): EMPIRICAL. No sound
+# bound is derived for 5 Adam updates of a 2+2-layer transformer computed in 16 bits: layer
+# norms divide by a standard deviation, softmax exponentiates and Adam normalises each gradient
+# element, so what one rounding does depends on the values. fp16 is compared with stock
+# fairseq's --fp16 (both round the same fp32 weights to fp16 and run fp16 kernels; they differ
+# in what FSDP2's mixed precision keeps in fp32 and in summation orders), bf16 with stock fp32
+# (only ours rounds). Dropout 0: the dropout kernels of two formats draw their masks
+# differently. The same comparisons on CPU (1 rank, 5 updates, dropout 0; AMD EPYC Zen 2)
+# differ by at most: fp16 loss 4.2e-4, gnorm 8.2e-4; bf16 loss 5.5e-4, gnorm 1.7e-3. These
+# tolerances leave margins of 6x and 12x (fp16), 70x and 90x (bf16) over those; on a GPU the
+# margin is not measured yet (cuBLAS may accumulate 16-bit products in 16 bits): a failure
+# here calls for that measurement first, not a wider tolerance.
+TOLERANCE_16 = {"fp16": {"loss": 2.5e-3, "gnorm": 1e-2}, "bf16": {"loss": 4e-2, "gnorm": 0.16}}
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_16_bit_within_rounding_of_stock_fairseq(corpus, tmp_path, precision):
     """fp16: stock fairseq's own --fp16 (fp32 master copy, loss scaling) on the same GPU.
-    bf16: stock fairseq's --bf16 means TPU (it sets --tpu), so the reference is its fp32 run;
-    both sides rounded, the bound is twice the one-sided one."""
+    bf16: stock fairseq's --bf16 means TPU (it sets --tpu), so the reference is its fp32 run.
+    Tolerances: TOLERANCE_16 (empirical, see there)."""
     flag = f"--{precision}"
     ours = ok(run(tiny(corpus, tmp_path / "ours", *FSDP2, flag, "--dropout", "0",
                        updates=5)))
     stock = ok(run(tiny(corpus, tmp_path / "stock", "--dropout", "0",
-                        *([flag] if precision == "fp16" else []), updates=5)))
-    u = U[precision] * (1 if precision == "fp16" else 2)
-    assert_within(series(ours, "loss"), series(stock, "loss"), 5 * u)
-    assert_within(series(ours, "gnorm"), series(stock, "gnorm"), 20 * u)
+                        *([flag] if precision == "fp16" else []), updates=5, plugin=False)))
+    for key in ("loss", "gnorm"):
+        assert_within(series(ours, key), series(stock, key), TOLERANCE_16[precision][key], key)
 
 
 def test_cpu_offload_trains_like_the_gpu(corpus, tmp_path, fsdp2_fp32):
@@ -311,8 +324,8 @@ def test_cpu_offload_trains_like_the_gpu(corpus, tmp_path, fsdp2_fp32):
     norm from CPU gradients (optimizer/grad_norm.py). The same fp32 arithmetic on another device: the CPU
     and GPU Adam kernels round alike to an ulp, far below the printed precision."""
     out = ok(run(tiny(corpus, tmp_path, *FSDP2, "--cpu-offload")))
-    assert_printed_equal(series(out, "loss"), series(fsdp2_fp32, "loss"))
-    assert_printed_equal(series(out, "gnorm"), series(fsdp2_fp32, "gnorm"))
+    assert_printed_equal(series(out, "loss"), series(fsdp2_fp32, "loss"), "loss")
+    assert_printed_equal(series(out, "gnorm"), series(fsdp2_fp32, "gnorm"), "gnorm")
 
 
 @pytest.mark.parametrize("flags", [
@@ -322,8 +335,8 @@ def test_memory_options_keep_the_losses(corpus, tmp_path, fsdp2_fp32, flags):
     """The chunked loss, and the tied-gradient buffer (on by default, so off here), change
     summation order only (fp32)."""
     out = ok(run(tiny(corpus, tmp_path, *FSDP2, *flags)))
-    assert_printed_equal(series(out, "loss"), series(fsdp2_fp32, "loss"))
-    assert_printed_equal(series(out, "gnorm"), series(fsdp2_fp32, "gnorm"))
+    assert_printed_equal(series(out, "loss"), series(fsdp2_fp32, "loss"), "loss")
+    assert_printed_equal(series(out, "gnorm"), series(fsdp2_fp32, "gnorm"), "gnorm")
 
 
 # -- one GPU: the meta-device build, out of memory ---------------------------------------------
@@ -341,7 +354,7 @@ def test_meta_device_build_on_resume_continues_the_run_exactly(corpus, tmp_path,
     assert "model built on the meta device" in resumed
     assert [r["num_updates"] for r in train_inner(resumed)] == ["5", "6"]
     for key in ("loss", "gnorm"):
-        assert_printed_equal(series(resumed, key), series(whole, key)[4:])
+        assert_printed_equal(series(resumed, key), series(whole, key)[4:], key)
 
 
 def test_meta_device_build_on_finetune(corpus, tmp_path):
@@ -381,10 +394,10 @@ def torchrun_two(corpus, tmp_path_factory) -> str:
 @two_gpus
 def test_two_gpus_torchrun_equals_stock_fairseq(corpus, tmp_path, torchrun_two):
     """Stock fairseq on 2 GPUs spawns its 2 workers itself (legacy_ddp, NCCL)."""
-    stock = ok(run(tiny(corpus, tmp_path, "--ddp-backend", "legacy_ddp"), gpus=2))
+    stock = ok(run(tiny(corpus, tmp_path, "--ddp-backend", "legacy_ddp", plugin=False), gpus=2))
     assert "over 2 rank(s)" in torchrun_two
-    assert_printed_equal(series(torchrun_two, "loss"), series(stock, "loss"))
-    assert_printed_equal(series(torchrun_two, "gnorm"), series(stock, "gnorm"))
+    assert_printed_equal(series(torchrun_two, "loss"), series(stock, "loss"), "loss")
+    assert_printed_equal(series(torchrun_two, "gnorm"), series(stock, "gnorm"), "gnorm")
 
 
 @two_gpus
@@ -393,8 +406,8 @@ def test_two_gpus_cpu_offload_trains_like_the_gpus(corpus, tmp_path, torchrun_tw
     though the gradients are on the CPU (optimizer/grad_norm.py; one rank has no reduction to make).
     The same fp32 arithmetic on another device, as test_cpu_offload_trains_like_the_gpu."""
     out = ok(run(tiny(corpus, tmp_path, *FSDP2, "--cpu-offload"), gpus=2, torchrun=2))
-    assert_printed_equal(series(out, "loss"), series(torchrun_two, "loss"))
-    assert_printed_equal(series(out, "gnorm"), series(torchrun_two, "gnorm"))
+    assert_printed_equal(series(out, "loss"), series(torchrun_two, "loss"), "loss")
+    assert_printed_equal(series(out, "gnorm"), series(torchrun_two, "gnorm"), "gnorm")
 
 
 @two_gpus
@@ -404,7 +417,7 @@ def test_two_gpus_plain_fairseq_train_runs_the_plugin_in_each_worker(corpus, tmp
     (launchers.spawn); they train as under torchrun, save, export once, and exit 0."""
     out = ok(run(tiny(corpus, tmp_path, *FSDP2, save=True), gpus=2))
     assert "over 2 rank(s)" in out
-    assert_printed_equal(series(out, "loss"), series(torchrun_two, "loss"))
+    assert_printed_equal(series(out, "loss"), series(torchrun_two, "loss"), "loss")
     assert (tmp_path / "checkpoint_last_consolidated.pt").is_file()
 
 

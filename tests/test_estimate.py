@@ -83,6 +83,7 @@ VALIDATION = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(VALIDATION))
 def test_prediction_within_10_percent_of_measured_peak(big_vocab, tmp_path, name):
     ranks, flags = VALIDATION[name]

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import REPO
-from launcher import finish_ranks, free_port, run_ranks, start_ranks, train_inner
+from launcher import finish_ranks, free_port, start_ranks, train_inner
 
 PROBES = str(REPO / "tests" / "probes")
 UPDATES = 12
@@ -63,6 +63,7 @@ def resumed_at(output: str) -> int:
     return int(found.group(1)) if found else 0
 
 
+@pytest.mark.slow
 def test_killed_ranks_are_named_and_restarts_reproduce_the_uninterrupted_run(train_args,
                                                                               tmp_path):
     """6 seeded kill points (one rank or all; in forward, backward, the optimizer step, and
@@ -132,22 +133,39 @@ def test_a_hung_rank_is_named_after_the_heartbeat_timeout(train_args, tmp_path):
     assert len(lines) == 1 and "lost rank 1 (rank 0 noticed at update 3)" in lines[0], lines
 
 
+#: Seconds a rank may take besides --heartbeat-timeout before it gives up on a peer that never
+#: comes: its start-up (forked with torch and fairseq imported: parsing, the plugin's import,
+#: the config; about 2 s idle, tens of seconds on a loaded 2-core machine) and torch's store
+#: client, which after its timeout waits one backoff pause before it checks its deadline
+#: (4.3 s seen). Far below torch's own 30 minutes, the wait without the option.
+START_UP_ALLOWANCE_S = 60
+
+
 def test_a_rank_whose_peer_never_comes_gives_up_after_the_timeout(train_args):
     """Rank 1 of 2, and rank 0 never starts (died before the rendezvous): without
-    --heartbeat-timeout torch waits 30 minutes; with it, one line after the timeout."""
+    --heartbeat-timeout torch waits 30 minutes; with it, one line after the timeout: within
+    the timeout plus START_UP_ALLOWANCE_S of the rank's start (a run still waiting then is
+    killed, and fails the exit-status check), and torch's own message names the 5 s."""
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
            "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
-    args = train_args("--ddp-backend", "fsdp2", "--heartbeat-timeout", 5)
+    timeout = 5
+    args = train_args("--ddp-backend", "fsdp2", "--heartbeat-timeout", timeout)
+    # timed from the fork (start_ranks returns once the process exists), not from the test
+    # fork server's first start
+    procs = start_ranks(1, lambda _: args, env=env, torchrun_env=False)
     started = time.monotonic()
-    # stopped by itself (exit 1, not killed by the launcher) long before torch's 30 minutes
-    (r,) = run_ranks(1, lambda _: args, env=env, torchrun_env=False, timeout=HANG_S)
-    assert r.returncode == 1 and time.monotonic() - started < 1800, r.output[-3000:]
+    (r,) = finish_ranks(procs, timeout + START_UP_ALLOWANCE_S)
+    took = time.monotonic() - started
+    assert r.returncode == 1, r.output[-3000:]  # stopped by itself, not killed
+    assert took <= timeout + START_UP_ALLOWANCE_S, took
     lines = [l for l in r.output.splitlines() if l.startswith("fairseq_fsdp2: error:")]
     assert len(lines) == 1 and lines[0].startswith(
         "fairseq_fsdp2: error: rank 1 could not meet the other ranks at env:// within "
         "--heartbeat-timeout 5 s (a rank died or never started)"), r.output[-3000:]
+    assert f"{timeout * 1000}ms" in lines[0], lines[0]  # torch's store waited those 5 s
 
 
+@pytest.mark.slow
 def test_disk_full_during_a_save_keeps_the_previous_checkpoint(train_args, tmp_path):
     save_dir = tmp_path / "ckpt"
     results, _ = run(train_args, save_dir, "disk-full:4:all", tmp_path, updates=7)

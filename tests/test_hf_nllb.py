@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import filecmp
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -33,7 +32,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import PLUGIN, TESTS
+from conftest import FIXTURE_DEPS, PLUGIN, TESTS, need_fixture_dep
 from launcher import base_env, finish_ranks, ok, start_command, start_ranks, train_inner
 
 from fairseq_fsdp2.consolidate import main as consolidate_main
@@ -42,19 +41,19 @@ from fairseq_fsdp2.hf import nllb_weights as hf_nllb, vocab as hf_vocab
 from fairseq_fsdp2.data.prepare import prepare, read_lines, train_spm
 from fairseq_fsdp2.errors import CheckpointError
 
-FIXTURE_DEPS = Path(os.environ.get("FAIRSEQ_FSDP2_FIXTURE_DEPS",
-                                   Path(sys.prefix) / "fixture-deps"))  # transformers & co
 PAIR = ("eng_Latn", "fra_Latn")
 TINY = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=128,
             decoder_ffn_dim=128, encoder_attention_heads=4, decoder_attention_heads=4,
             max_position_embeddings=512, encoder_layerdrop=0.0, decoder_layerdrop=0.0,
             init_std=0.5)  # large weights: greedy outputs that differ by source, far from ties
 MAX_LEN = 12  # fairseq-generate --max-len-b: tokens before the forced end of sentence
-# Float tolerance for HF vs fairseq logits. Both run the same float32 operations in other
-# kernels and orders (HF: SDPA over separate q/k/v; fairseq: torch's multi_head_attention_forward).
-# A reordered sum of n terms moves by at most about n*u*sum|terms| (u = 2**-24); with n <= 128
-# (the ffn) and 8 sublayers, each followed by a layer norm that keeps activations O(1), the
-# logits differ by less than 8*128*u*max|logit| ~ 6e-5*max|logit|.
+# Float tolerance for HF vs fairseq logits, relative to max(1, max |logit|): EMPIRICAL. Both
+# run the same float32 operations in other kernels and orders (HF: SDPA over separate q/k/v;
+# fairseq: torch's multi_head_attention_forward). No sound bound is derived: each of the 10
+# sublayers' sums is reordered (n up to 128 terms), then layer norms divide by a standard
+# deviation and softmax exponentiates, so how far the logits move depends on the weights
+# (init_std 0.5 here). Measured on an AMD EPYC (Zen 2): 7.5e-7 (hub weights) and 8.3e-7 (the
+# fine-tuned export), a margin of about 120; a wrong weight mapping moves logits by O(1).
 LOGIT_RTOL = 1e-4
 
 
@@ -72,9 +71,7 @@ def finish(proc: subprocess.Popen, timeout=300) -> str:
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    if not (FIXTURE_DEPS / "transformers").is_dir():
-        pytest.skip(f"no transformers in {FIXTURE_DEPS} for the reference side: run "
-                    "scripts/setup.sh")
+    need_fixture_dep("transformers", "for the reference side")
     root = tmp_path_factory.mktemp("hf_nllb")
     numbers.write_corpus(root / "raw", [PAIR], n_train=600, n_valid=30, n_test=30, seed=2)
     texts = [line for lang in PAIR
@@ -298,6 +295,7 @@ def finetuned(hub):
     return SimpleNamespace(save=hub.root / "from_hf", outputs=outputs)
 
 
+@pytest.mark.slow
 def test_finetune_from_hf_weights_has_the_fairseq_checkpoints_first_update(finetuned):
     from_hf = train_inner(finetuned.outputs["from_hf"])
     from_fairseq = train_inner(finetuned.outputs["from_fairseq"])
@@ -308,6 +306,7 @@ def test_finetune_from_hf_weights_has_the_fairseq_checkpoints_first_update(finet
     assert float(from_hf[-1]["loss"]) < float(from_hf[0]["loss"]) - 1.0  # and it trains
 
 
+@pytest.mark.slow
 def test_export_loads_in_transformers_and_matches_fairseq(hub, finetuned, tmp_path):
     from fairseq.data import data_utils
 

@@ -33,7 +33,11 @@ from launcher import (FORKED_WORKER, finish_ranks, free_port, ok, start_ranks, s
 
 PROBES = str(REPO / "tests" / "probes")
 FAULT_POINT = [*FORKED_WORKER, "fault_point"]  # torchrun's entry: tests/probes/fault_point.py
-FAIRSEQ_TRAIN = [*FORKED_WORKER, "fairseq_cli.train"]  # the same as fairseq-train
+# `python -m fairseq_cli.train`: fairseq_cli/train.py run as __main__, which takes
+# registration.py's __main__ branch of the Trainer patch; the fairseq-train console script
+# imports the module instead (the other branch): tests/probes/fault_point.py here, the command
+# itself in tests/test_nllb_finetune.py
+FAIRSEQ_TRAIN = [*FORKED_WORKER, "fairseq_cli.train"]
 UPDATES = 8
 FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", "--save-interval-updates", "2",
          "--heartbeat-timeout", "60", "--num-workers", "0", "--no-epoch-checkpoints"]
@@ -104,8 +108,12 @@ def assert_one_survivor_line(out: str, save_dir, update: int, restarts_left: boo
 
 def timings(out: str) -> str:
     """For the report (pytest -s): seconds from the kill to the agent's SIGTERM (torchrun's log
-    time) and to the restarted attempt's first update (fairseq's log time: whole seconds)."""
-    kill = float(re.search(r"FAULT_KILL (\d+\.\d+)", out).group(1))
+    time) and to the restarted attempt's first update (fairseq's log time: whole seconds).
+    Called after the run's checks, so that a failing run shows its own output."""
+    killed = re.search(r"FAULT_KILL (\d+\.\d+)", out)
+    if killed is None:
+        return "no kill logged"
+    kill = float(killed.group(1))
     day = datetime.fromtimestamp(kill).strftime("%Y-%m-%d")
     said = []
     term = re.search(r"^W\d{4} (\S+) .*closing signal SIGTERM", out, re.M)
@@ -120,6 +128,7 @@ def timings(out: str) -> str:
     return ", ".join(said)
 
 
+@pytest.mark.slow
 def test_torchrun_default_a_lost_worker_stops_the_job_with_one_line(corpus, reference,
                                                                     tmp_path):
     """torchrun with its default settings; worker 1 is SIGKILLed in update 3."""
@@ -129,7 +138,6 @@ def test_torchrun_default_a_lost_worker_stops_the_job_with_one_line(corpus, refe
                      {"FAULT": "forward:3:1"})
     agent.wait(TIMEOUT_S)
     out = agent.output()
-    print(f"\ntorchrun, lost worker: {timings(out)}")
     assert agent.returncode == 1, out[-4000:]
     # the agent's report: its own traceback and the table, whose root cause is rank 1
     report = out[out.index("Traceback (most recent call last)"):]
@@ -139,8 +147,10 @@ def test_torchrun_default_a_lost_worker_stops_the_job_with_one_line(corpus, refe
     assert "Traceback" not in out[:out.index(report)], "a worker printed a traceback"
     assert_one_survivor_line(out, save_dir, 3, restarts_left=False)
     assert_losses(out, reference, [1, 2])
+    print(f"\ntorchrun, lost worker: {timings(out)}")
 
 
+@pytest.mark.slow
 def test_torchrun_max_restarts_resumes_by_itself(corpus, reference, tmp_path):
     """The same command with --max-restarts 1: the agent restarts both workers, which resume
     from update 4 (the newest checkpoint; saves every 2 updates) and finish with the
@@ -152,7 +162,6 @@ def test_torchrun_max_restarts_resumes_by_itself(corpus, reference, tmp_path):
                      str(tmp_path / "log"), {"FAULT": "forward:6:1"})
     agent.wait(TIMEOUT_S)
     out = agent.output()
-    print(f"\ntorchrun --max-restarts 1: {timings(out)}")
     assert agent.returncode == 0, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
     assert_one_survivor_line(out, save_dir, 6, restarts_left=True)
@@ -161,6 +170,7 @@ def test_torchrun_max_restarts_resumes_by_itself(corpus, reference, tmp_path):
     assert resumed_at(first) == [] and resumed_at(restarted) == [4], out[-4000:]
     assert_losses(first, reference, [1, 2, 3, 4, 5])
     assert_losses(restarted, reference, [5, 6, 7, 8])
+    print(f"\ntorchrun --max-restarts 1: {timings(out)}")
 
 
 def slurm_env(scontrol: str, nodes: int, tasks_per_node: int, node: int, local: int) -> dict:
@@ -194,6 +204,7 @@ def srun(scontrol, nodes: int, tasks_per_node: int, args) -> list:
         TIMEOUT_S)
 
 
+@pytest.mark.slow
 def test_slurm_both_modes_and_two_nodes_continue_one_training(corpus, reference, scontrol,
                                                               tmp_path):
     """One training, 1 update per launch, each launch resuming the previous one's checkpoint

@@ -22,10 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TESTS, TINY_MODEL, TRAINING
+from conftest import FIXTURE_DEPS, TESTS, TINY_MODEL, TRAINING, need_fixture_dep
 from launcher import run_command, run_ranks
 
-FIXTURE_DEPS = Path(sys.prefix) / "fixture-deps"  # fairscale, see requirements-dev.txt
 
 
 def save_shards(corpus: str, out: str) -> None:
@@ -101,8 +100,7 @@ class SmallNet(torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def legacy_save(corpus, tmp_path_factory):
-    if not (FIXTURE_DEPS / "fairscale").is_dir():
-        pytest.skip(f"no fairscale in {FIXTURE_DEPS} to write the shards: run scripts/setup.sh")
+    need_fixture_dep("fairscale", "to write the shards")
     out = tmp_path_factory.mktemp("legacy")
     path = os.pathsep.join([str(TESTS), str(FIXTURE_DEPS), os.environ.get("PYTHONPATH", "")])
     results = run_ranks(2, lambda r: [corpus, out], module="test_legacy_fairscale",
@@ -113,6 +111,7 @@ def legacy_save(corpus, tmp_path_factory):
     return out, torch.load(out / "references.pt", weights_only=True)
 
 
+@pytest.mark.slow
 def test_consolidated_equals_the_model_and_stock_generate_reads_it(legacy_save, corpus, tmp_path):
     from fairseq_fsdp2.checkpoint import legacy_fairscale
     from fairseq_fsdp2.consolidate import main
@@ -144,6 +143,7 @@ def test_consolidated_equals_the_model_and_stock_generate_reads_it(legacy_save, 
     assert sum(l.startswith("H-") for l in proc.output.splitlines()) > 90
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flatten", [True, False])
 def test_padding_ties_and_buffers(legacy_save, flatten):
     from fairseq_fsdp2.checkpoint.legacy_fairscale import consolidate_shard_weights
@@ -164,6 +164,7 @@ def test_padding_ties_and_buffers(legacy_save, flatten):
         assert weights[a] is weights[b]
 
 
+@pytest.mark.slow
 def test_incomplete_or_mixed_shards_are_refused_with_one_line(legacy_save, tmp_path, capsys):
     from fairseq_fsdp2.consolidate import main
 

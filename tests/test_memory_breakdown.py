@@ -61,6 +61,7 @@ def runs(tmp_path_factory) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_json_has_a_column_per_rank_and_consistent_categories(runs):
     doc = json.loads(runs["stock"]["json"].read_text())
     assert doc["update"] == UPDATE and doc["units"] == "bytes"
@@ -100,6 +101,7 @@ def test_json_has_a_column_per_rank_and_consistent_categories(runs):
         assert r["peak_phase"] in ("forward", "backward", "optimizer step", "other")
 
 
+@pytest.mark.slow
 def test_only_update_n_is_recorded_and_printed_as_one_table(runs):
     for run in runs.values():
         out = run["output"]
@@ -112,6 +114,7 @@ def test_only_update_n_is_recorded_and_printed_as_one_table(runs):
     assert not runs["buffer"]["json"].exists()  # --no-save: printed only
 
 
+@pytest.mark.slow
 def test_tied_grad_buffer_trains_the_same_with_less_memory(runs):
     stock, buffer = (train_inner(runs[k]["output"]) for k in ("stock", "buffer"))
     assert len(stock) == len(buffer) == 3

@@ -112,6 +112,7 @@ def test_bad_input_one_line_and_nothing_launched(data, tmp_path):
 
 # --- (b) a real 2-rank fine-tune through the script ----------------------------------------------
 
+@pytest.mark.slow
 def test_two_rank_cpu_finetune_and_stock_generate(data, tmp_path):
     save = tmp_path / "ckpt"
     proc = run_script("--data", data, "--model-size", "tiny", "--cpu", "--nproc", 2,
@@ -188,6 +189,7 @@ def hydra_args(data, save, *overrides):
             f"task.data={data}", f"checkpoint.save_dir={save}", "common.cpu=true", *overrides]
 
 
+@pytest.mark.slow
 def test_hydra_two_ranks_root_resharded(data, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # hydra writes its job log into the working directory
     save = tmp_path / "ckpt"

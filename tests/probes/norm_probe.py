@@ -71,11 +71,24 @@ def check(offload: bool, mesh) -> dict:
             isinstance(norm, DTensor), "fairseq_norm": float(fairseq_norm),
             "dtensor_norm": through_dtensor.full_tensor().item(),
             "dtensor_norm_placements": [str(p) for p in through_dtensor.placements],
-            "grad_devices": sorted({p.grad.to_local().device.type for p in params}),
+            "offload_policies": offload_policies(sharded),
             "clipped_max_diff": max((c - r.grad).abs().max().item()
                                     for c, r in zip(clipped, reference.parameters())),
             "optimizer": type(optimizer.optimizer).__module__,
             "broadcast_max_diff": broadcast(sharded)}
+
+
+def offload_policies(sharded: nn.Module) -> list[str]:
+    """The offload policy each FSDP2 unit was sharded with. On a CPU-only machine shards,
+    gradients and compute are all on the CPU either way, so the devices cannot show that the
+    offload case ran FSDP2's offload paths; its units' policy can. Private torch API
+    (``_get_fsdp_state``, ``_fsdp_param_group``: FSDP2 has no public getter for the policy,
+    torch 2.13): a torch that renames them fails this probe, loudly."""
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in sharded.modules()
+              if hasattr(m, "_get_fsdp_state")]
+    # (a unit with no parameters of its own, here the root, has no group)
+    assert any(g is not None for g in groups)
+    return sorted({type(g.offload_policy).__name__ for g in groups if g is not None})
 
 
 def broadcast(sharded: nn.Module) -> float:

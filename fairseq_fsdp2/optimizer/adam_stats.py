@@ -118,6 +118,7 @@ class SixteenBitMoments:
     stats_seed: int = 0
     #: a state in a format other than moment_dtype's was loaded: widen it at the next step
     mixed_state_loaded: bool = False
+    _hold_hook = None  # the pre-hook of the load_state_dict call in progress
 
     def step(self, closure=None):
         if self.moment_dtype == torch.float32 and not self.mixed_state_loaded:
@@ -207,12 +208,17 @@ class SixteenBitMoments:
 
     def load_state_dict(self, state_dict):
         # registered now, so that it runs after every other pre-hook (the trainer's reads the
-        # sharded checkpoint and hands on what it loaded; full_state.py cuts stock tensors)
-        handle = self.register_load_state_dict_pre_hook(_hold_16_bit)
+        # sharded checkpoint and hands on what it loaded; full_state.py cuts stock tensors);
+        # once: the trainer's hook loads again inside this call, while torch iterates the hooks
+        handle = None
+        if self._hold_hook is None:
+            self._hold_hook = handle = self.register_load_state_dict_pre_hook(_hold_16_bit)
         try:
             super().load_state_dict(state_dict)
         finally:
-            handle.remove()
+            if handle is not None:
+                handle.remove()
+                self._hold_hook = None
         mixed = False
         for per_param in self.state.values():
             for key in MOMENTS:

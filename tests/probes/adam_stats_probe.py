@@ -4,8 +4,8 @@ argv: MODE DIR.
 - ``save`` (2 ranks): a small sharded model per moment format (fp32, fp16, bf16), 3 Adam steps
   each, saved with the plugin's sharded checkpoint (checkpoint/sharded.py) to DIR/<format>;
   rank 0 writes each state's full tensors to DIR/<format>.pt.
-- ``load`` (3 ranks: other shards, uneven): each saved state loaded into an optimizer of each
-  format that the test names, then one step with zero gradients. Prints one ``PROBE {json}``
+- ``load`` (3 ranks: other shards, uneven): each saved state loaded, as the trainer loads it,
+  into an optimizer of each format that the test names, then one step with zero gradients. Prints one ``PROBE {json}``
   line: per (saved, run) pair, whether the loaded tensors equal the saved ones bit for bit,
   the dtypes and keys as loaded and after the step, and whether the step computed from the
   saved values (Adam's zero-gradient step: m x beta1, v x beta2, exact in float32).
@@ -84,6 +84,19 @@ def save(root: str) -> None:
         dist.barrier()
 
 
+def load_as_the_trainer_does(m: nn.Module, opt, shard_dir: str) -> None:
+    """trainer/checkpoint_hooks.py: fairseq calls the optimizer's load_state_dict with a small
+    stub; a pre-hook reads the shards (which loads the optimizer once more, inside) and hands
+    on the optimizer's state, which torch's load_state_dict then loads again."""
+    def read_shards(optimizer, state_dict):
+        if "shards" not in state_dict:
+            return None
+        sharded.load_optimizer(m, optimizer, state_dict["shards"])
+        return optimizer.state_dict()
+    opt.register_load_state_dict_pre_hook(read_shards)
+    opt.load_state_dict({"shards": shard_dir})
+
+
 def load(root: str) -> dict:
     import os
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -95,7 +108,7 @@ def load(root: str) -> dict:
         shard_dir = f"{root}/{saved_stats}"
         shard_dir = os.path.join(shard_dir, os.listdir(shard_dir)[0], os.listdir(
             os.path.join(shard_dir, os.listdir(shard_dir)[0]))[0])
-        sharded.load_optimizer(m, opt, shard_dir)
+        load_as_the_trainer_does(m, opt, shard_dir)
         want = torch.load(f"{root}/{saved_stats}.pt", weights_only=True)
         loaded = {name: {k: full(v) for k, v in opt.state[p].items() if torch.is_tensor(v)}
                   for name, p in params.items()}

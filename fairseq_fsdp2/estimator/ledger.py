@@ -45,6 +45,7 @@ class Setup:
     checkpoint_activations: bool = False
     memory_efficient_fp16: bool = False
     tied_grad_buffer: bool = False  # --fsdp2-tied-grad-buffer: one gradient for all uses
+    adam_stats: str = "fp32"  # Adam's moments between steps: fp16/bf16 (--fp16/--bf16-adam-stats)
 
 
 class Ledger:
@@ -102,3 +103,24 @@ def optimizer_states(setup: Setup) -> int:
     if setup.optimizer == "sgd" and not setup.momentum:
         return 0
     return OPTIMIZER_STATES.get(setup.optimizer, 2)
+
+
+def state_bytes(setup: Setup) -> int:
+    """Bytes per element of each optimizer state tensor: fairseq's Adam with 16-bit moments
+    keeps 2 (optimizer/adam_stats.py), every other optimizer float32."""
+    return 2 if setup.optimizer == "adam" and setup.adam_stats in ("fp16", "bf16") else 4
+
+
+def optimizer_state_bytes(setup: Setup, elements: int) -> int:
+    """The optimizer state kept for ``elements`` parameter elements."""
+    return optimizer_states(setup) * state_bytes(setup) * elements
+
+
+def step_temporary_bytes(setup: Setup) -> int:
+    """Bytes per element of the largest (shard of a) parameter alive during the optimizer step
+    on top of the state: one float32 temporary (Adam's denominator); with 16-bit moments, that
+    parameter's two moments widened to float32 as well, less their 16-bit copies (released
+    while it steps): 4 + 2 x (4 - 2)."""
+    if state_bytes(setup) == 4:
+        return 4
+    return 4 + optimizer_states(setup) * (4 - state_bytes(setup))

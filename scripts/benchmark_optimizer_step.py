@@ -1,8 +1,10 @@
 """(not a test; `.venv/bin/python scripts/benchmark_optimizer_step.py [--tensors N] [--elements N]
-[--steps N]`) The CPU time of the optimizer's part of an update on FSDP2 parameters: fairseq's
-``multiply_grads``, the global-norm clipping and fairseq's Adam step, done through DTensor dispatch
-(the path before optimizer/local_shard_step.py) and on the local shards (the plugin's path), side by side in one
-process, interleaved, medians.
+[--steps N] [--adam-stats {fp16,bf16}]`) The CPU time of the optimizer's part of an update on FSDP2
+parameters: fairseq's ``multiply_grads``, the global-norm clipping and fairseq's Adam step, done
+through DTensor dispatch (the path before optimizer/local_shard_step.py) and on the local shards
+(the plugin's path), side by side in one process, interleaved, medians. ``--adam-stats`` adds the
+local-shard path with Adam's moments in 16 bits (optimizer/adam_stats.py: one parameter at a
+time, fp16's scales from one all-reduce per parameter).
 
 The cost measured is per tensor operation, not per element: --tensors defaults to NLLB-600M's
 parameter tensor count (509: 12 + 12 layers, the shared embedding, 2 final
@@ -38,9 +40,11 @@ def model(tensors: int, elements: int) -> nn.Module:
     return fully_shard(layers)
 
 
-def optimizer(params, dtensor_path: bool):
-    adam = OmegaConf.structured(FairseqAdamConfig(_name="adam", lr=[1e-3], tpu=False))
-    cfg = OmegaConf.create({"common": {"fp16": False}, "optimizer": adam})
+def optimizer(params, dtensor_path: bool, stats: str = "fp32"):
+    adam = OmegaConf.structured(FairseqAdamConfig(_name="adam", lr=[1e-3], tpu=False,
+                                                  fp16_adam_stats=stats == "fp16"))
+    cfg = OmegaConf.create({"common": {"fp16": False}, "optimizer": adam,
+                            "distributed_training": {"bf16_adam_stats": stats == "bf16"}})
     # dtensor_path: what the plugin did before local_shard_step.py
     return build_optimizer(cfg, params, local_shards=not dtensor_path)
 
@@ -52,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="parameter tensors (default: NLLB-600M's 509)")
     parser.add_argument("--elements", type=int, default=64, help="elements per tensor")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps (first dropped)")
+    parser.add_argument("--adam-stats", choices=("fp16", "bf16"), default=None,
+                        help="also time the local shards with Adam's moments in 16 bits")
     return parser
 
 
@@ -63,12 +69,15 @@ def main() -> None:
     init_device_mesh("cpu", (1,))
     tensors, elements, steps = args.tensors, args.elements, args.steps
     runs = {}
-    for name, dtensor_path in (("DTensor dispatch", True), ("local shards", False)):
+    paths = [("DTensor dispatch", True, "fp32"), ("local shards", False, "fp32")]
+    if args.adam_stats:
+        paths.append((f"local shards, {args.adam_stats} moments", False, args.adam_stats))
+    for name, dtensor_path, stats in paths:
         m = model(tensors, elements)
         params = list(m.parameters())
         for p in params:
             p.grad = torch.full_like(p, 1e-3)
-        runs[name] = (params, optimizer(params, dtensor_path), [])
+        runs[name] = (params, optimizer(params, dtensor_path, stats), [])
     for _ in range(steps):
         for name, (params, opt, times) in runs.items():
             start = time.perf_counter()
@@ -83,6 +92,9 @@ def main() -> None:
     for name, t in med.items():
         print(f"{name}: median {t * 1000:.1f} ms per update's optimizer work")
     print(f"local shards: {med['DTensor dispatch'] / med['local shards']:.1f}x faster")
+    if args.adam_stats:
+        name = f"local shards, {args.adam_stats} moments"
+        print(f"{name}: {med[name] / med['local shards']:.2f}x the time of float32 moments")
     dist.destroy_process_group()
 
 

@@ -28,6 +28,7 @@ from fairseq_fsdp2.estimator import from_args
 from fairseq_fsdp2 import plot_memory
 from fairseq_fsdp2.data.synthetic import write_random_corpus
 from fairseq_fsdp2.estimator.fsdp2_step import simulate_fsdp2
+from fairseq_fsdp2.optimizer.adam_stats import BUCKET_MIN
 from fairseq_fsdp2.estimator.ledger import CATEGORIES, unit_sizes
 from fairseq_fsdp2.estimator.model_profile import resolve, trace_forward, workload_for
 from fairseq_fsdp2.estimator.peak import cpu_baseline_bytes, estimate
@@ -313,9 +314,10 @@ def test_16_bit_adam_moments_halve_the_optimizer_state():
     led = simulate_fsdp2(profile, setup("--fp16", "--fp16-adam-stats"))
     largest = max(unit_sizes(u, 2, 0)[2] for u in profile.units)
     # at the optimizer step, on top of the state (2 x 2 bytes per element: the float32 shards'
-    # bytes): 4 + 2 x (4 - 2) bytes per element of the largest shard (its moments in float32,
-    # less their fp16 copies, and Adam's float32 denominator)
-    assert led.max["optim"] == led.max["sharded"] + 8 * largest
+    # bytes): a bucket of moments in float32, 8 bytes per element of the largest shard (or of
+    # the smallest bucket); for the largest, its float32 moments less their released fp16
+    # copies and Adam's float32 denominator: 4 + 2 x (4 - 2)
+    assert led.max["optim"] == led.max["sharded"] + 8 * max(largest, BUCKET_MIN)
     ddp = ["--ddp-backend", "legacy_ddp"]
     stock, stock16 = (estimate(profile, setup(*ddp, *flags, world=1)).classes[0].breakdown
                       for flags in (["--fp16"], ["--fp16", "--fp16-adam-stats"]))

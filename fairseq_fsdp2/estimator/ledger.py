@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
+from ..optimizer.adam_stats import BUCKET_MIN
 from .model_profile import UnitSpec
 
 
@@ -116,11 +117,13 @@ def optimizer_state_bytes(setup: Setup, elements: int) -> int:
     return optimizer_states(setup) * state_bytes(setup) * elements
 
 
-def step_temporary_bytes(setup: Setup) -> int:
-    """Bytes per element of the largest (shard of a) parameter alive during the optimizer step
-    on top of the state: one float32 temporary (Adam's denominator); with 16-bit moments, that
-    parameter's two moments widened to float32 as well, less their 16-bit copies (released
-    while it steps): 4 + 2 x (4 - 2)."""
+def step_temporary_bytes(setup: Setup, largest: int, buckets: bool = True) -> int:
+    """Bytes alive during the optimizer step on top of the state, ``largest``: the elements of
+    the largest (shard of a) parameter. One float32 temporary of it (Adam's denominator); with
+    16-bit moments, a bucket's moments widened to float32 as well (optimizer/adam_stats.py: at
+    most max(largest, BUCKET_MIN) elements, small parameters' 16-bit moments kept, a large
+    one's released): 8 bytes per element. ``buckets=False``: stock fairseq's FusedAdamV1, one
+    parameter at a time."""
     if state_bytes(setup) == 4:
-        return 4
-    return 4 + optimizer_states(setup) * (4 - state_bytes(setup))
+        return 4 * largest
+    return 8 * (max(largest, BUCKET_MIN) if buckets else largest)

@@ -10,19 +10,21 @@ flag with that CUDA optimizer only): after each step a moment is stored divided 
 ``1e-8 + max|moment| / 65504``, so that its largest element sits at fp16's largest finite value
 and small ones stay clear of fp16's underflow; the scale (a float32 scalar) is stored beside it
 under fairseq's keys (``exp_avg_scale``, ``exp_avg_sq_scale``), and the next step multiplies it
-back. The maximum is the whole tensor's, as in fairseq: each rank's shard maximum, then one
-all-reduce (max) per parameter; so the state means the same thing at any world size and DCP
-reshards it as it is (the fp16 tensor cut like the parameter; the scales the same everywhere).
+back. The maximum is the whole tensor's, as in fairseq: each rank's shard maximum, then an
+all-reduce (max, one per bucket below); so the state means the same thing at any world size and
+DCP reshards it as it is (the fp16 tensor cut like the parameter; the scales the same
+everywhere).
 
 bf16: bf16 has float32's exponent range, so no scale; its 8-bit significand is rounded
 stochastically (stochastic_round.py says why: rounded to nearest, the second moment could never
 decrease). The random numbers are drawn from a generator seeded by the run's ``--seed``, the
-step, the parameter's place and the shard's, so a resumed run draws what the uninterrupted run
+step, the bucket's place and the shard's, so a resumed run draws what the uninterrupted run
 drew.
 
-How: the step runs one parameter at a time, as FusedAdamV1 does: its moments are widened to
-float32, fairseq's Adam steps that parameter (on the local shard: local_shard_step.py), and the
-moments are narrowed again; one parameter's moments are float32 at a time. Loading a checkpoint
+How: the step runs a bucket of parameters at a time (FusedAdamV1 runs one): their moments are
+widened to float32, fairseq's Adam steps them (on the local shards: local_shard_step.py), and
+the moments are narrowed again; a bucket holds no more elements than the largest parameter
+(BUCKET_MIN at least), whose 16-bit moments are released while it steps. Loading a checkpoint
 keeps 16-bit moments 16-bit (torch's ``load_state_dict`` would cast every floating state tensor
 to the parameter's float32), and a state saved in the other format (a run resumed with or without
 the flag) is widened at its next step and then stored as this run asks.
@@ -100,9 +102,31 @@ def _like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
                               shape=like.shape, stride=like.stride())
 
 
+def _full(x: torch.Tensor) -> torch.Tensor:
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
 def _shard_dims(p: torch.Tensor) -> list[int]:
     return [d for d, pl in enumerate(p.placements) if pl.is_shard()] \
         if isinstance(p, DTensor) else []
+
+
+def _shard_coordinate(p: torch.Tensor) -> list[int]:
+    """Where ``p``'s shard sits on the mesh's sharded dimensions (not on HSDP's replicated
+    one: replicas draw alike and stay equal)."""
+    coordinate = p.device_mesh.get_coordinate() if isinstance(p, DTensor) else None
+    return [coordinate[d] for d in _shard_dims(p)] if coordinate else []
+
+
+#: A step widens the moments of a bucket of consecutive parameters at a time, of at most
+#: max(the largest parameter shard, BUCKET_MIN) elements: no more float32 moments at once than
+#: the largest parameter's alone (NLLB's embedding), one fp16 all-reduce per bucket, not per
+#: parameter, and few calls into the optimizer (each costs CPU time a GPU waits for).
+BUCKET_MIN = 1 << 22
+#: Parameter shards of at most KEEP_MAX elements keep their 16-bit tensors through the step and
+#: are written back in place: no new DTensor per step (DTensor.from_local costs more CPU than
+#: their arithmetic). Larger ones release theirs while they step (4 bytes per element).
+KEEP_MAX = 1 << 20
 
 
 class SixteenBitMoments:
@@ -119,6 +143,7 @@ class SixteenBitMoments:
     #: a state in a format other than moment_dtype's was loaded: widen it at the next step
     mixed_state_loaded: bool = False
     _hold_hook = None  # the pre-hook of the load_state_dict call in progress
+    _numels = None  # parameter -> elements of its local shard
 
     def step(self, closure=None):
         if self.moment_dtype == torch.float32 and not self.mixed_state_loaded:
@@ -133,22 +158,50 @@ class SixteenBitMoments:
                 group["params"] = []
             index = 0
             for group, params in zip(self.param_groups, groups):
+                stepped = []
                 for p in params:
-                    index += 1
-                    if p.grad is None:
-                        continue
-                    self._widen(p)
-                    group["params"] = [p]
+                    index += 1  # the parameter's place: bf16's random stream
+                    if p.grad is not None:
+                        stepped.append((index, p))
+                for bucket in self._buckets(stepped):
+                    kept: dict = {}
+                    for _, p in bucket:
+                        self._widen(p, kept)
+                    group["params"] = [p for _, p in bucket]
                     super().step()
                     group["params"] = []
-                    self._narrow(p, index)
+                    self._narrow(bucket, kept)
         finally:
             for group, params in zip(self.param_groups, groups):
                 group["params"] = params
         self.mixed_state_loaded = False
         return loss
 
-    def _widen(self, p: torch.Tensor) -> None:
+    def _numel(self, p: torch.Tensor) -> int:
+        if self._numels is None:
+            self._numels = {}
+        if id(p) not in self._numels:  # parameters live as long as the optimizer
+            self._numels[id(p)] = _local(p).numel()
+        return self._numels[id(p)]
+
+    def _buckets(self, stepped: list):
+        """Consecutive (index, parameter) pairs, at most ``limit`` elements a bucket, each
+        bucket's parameters laid out alike (one all-reduce serves them all)."""
+        sizes = [self._numel(p) for _, p in stepped]
+        limit = max([BUCKET_MIN, *sizes])
+        bucket: list = []
+        total, layout = 0, None
+        for (index, p), n in zip(stepped, sizes):
+            this = (id(p.device_mesh), p.placements) if isinstance(p, DTensor) else None
+            if bucket and (total + n > limit or this != layout):
+                yield bucket
+                bucket, total = [], 0
+            bucket.append((index, p))
+            total, layout = total + n, this
+        if bucket:
+            yield bucket
+
+    def _widen(self, p: torch.Tensor, kept: dict) -> None:
         state = self.state.get(p)
         if not state:
             return  # the first step creates float32 moments
@@ -156,47 +209,71 @@ class SixteenBitMoments:
             value, scale = state.get(key), state.pop(SCALE_KEYS[key], None)
             if value is None or (value.dtype == torch.float32 and scale is None):
                 continue
-            if self.local_shards and isinstance(value, DTensor):
-                wide = _local(value).float()
-                if scale is not None:
-                    wide.mul_(scale)
-                state[key] = _like(wide, value)
-            else:  # fairseq: exp_avg.float() * state["exp_avg_scale"]
+            if not self.local_shards:  # fairseq: exp_avg.float() * state["exp_avg_scale"]
                 wide = value.float()
                 state[key] = wide * scale if scale is not None else wide
+                continue
+            local = _local(value)
+            wide = local.float()
+            if scale is not None:
+                wide.mul_(scale)
+            if local.dtype == self.moment_dtype and self._numel(p) <= KEEP_MAX:
+                kept[id(p), key] = (value, local)  # the DTensor, and its local tensor
+            # a plain tensor: the local-shard step takes it as it is (local_shard_step.py)
+            state[key] = wide
 
-    def _narrow(self, p: torch.Tensor, index: int) -> None:
-        state = self.state[p]
+    def _narrow(self, bucket: list, kept: dict) -> None:
+        """Store the bucket's float32 moments in 16 bits: into the (local) tensors kept through
+        the step, or new ones laid out like their parameter."""
         if self.moment_dtype == torch.float16:
-            scales = self._scales(p, [state[key] for key in MOMENTS])
-            for key, scale in zip(MOMENTS, scales):
-                value = state[key]
-                if self.local_shards:
-                    state[key] = _like(_local(value).div_(scale).half(), value)
-                else:  # fairseq: (exp_avg / state["exp_avg_scale"]).half()
-                    state[key] = (value / scale).half()
-                state[SCALE_KEYS[key]] = scale
+            scales = iter(self._scales(bucket))
+            for _, p in bucket:
+                state = self.state[p]
+                for key in MOMENTS:
+                    value, scale = state[key], next(scales)
+                    old = kept.get((id(p), key))
+                    if not self.local_shards:  # fairseq: (exp_avg / scale).half()
+                        state[key] = (value / scale).half()
+                    elif old is not None:  # copy_ rounds to nearest, as half() does
+                        old[1].copy_(_local(value).div_(scale))
+                        state[key] = old[0]
+                    else:
+                        state[key] = _like(_local(value).div_(scale).half(), p)
+                    state[SCALE_KEYS[key]] = scale
         elif self.moment_dtype == torch.bfloat16:
-            coordinate = p.device_mesh.get_coordinate() if isinstance(p, DTensor) else []
-            shard = [coordinate[d] for d in _shard_dims(p)] if coordinate else []
-            for i, key in enumerate(MOMENTS):
-                value = state[key]
-                seed = stream_seed(self.stats_seed, state["step"], index, i, *shard)
-                local = _local(value)
-                state[key] = _like(to_bf16_stochastic(local, generator_for(local.device, seed)),
-                                   value)
+            first_index, first = bucket[0]
+            generator = None
+            for _, p in bucket:
+                state = self.state[p]
+                for key in MOMENTS:
+                    local, old = _local(state[key]), kept.get((id(p), key))
+                    if generator is None:  # one stream a bucket: its first parameter's place
+                        generator = generator_for(local.device, stream_seed(
+                            self.stats_seed, self.state[first]["step"], first_index,
+                            *_shard_coordinate(first)))
+                    if old is not None:
+                        to_bf16_stochastic(local, generator, out=old[1])
+                        state[key] = old[0]
+                    else:
+                        state[key] = _like(to_bf16_stochastic(local, generator), p)
+        else:  # float32 (a 16-bit state was loaded): the widened moments, as DTensors again
+            for _, p in bucket:
+                state = self.state[p]
+                for key in MOMENTS:
+                    if not isinstance(state[key], DTensor):
+                        state[key] = _like(state[key], p)
 
-    def _scales(self, p: torch.Tensor, moments: list[torch.Tensor]) -> list[torch.Tensor]:
-        """fairseq's scale of each moment: 1e-8 + max|moment| / 65504, max over the whole
-        tensor (float32 scalars, the same on every rank)."""
+    def _scales(self, bucket: list) -> list[torch.Tensor]:
+        """fairseq's scale of each moment of the bucket: 1e-8 + max|moment| / 65504, the max
+        over the whole tensor (float32 scalars, the same on every rank)."""
+        moments = [self.state[p][key] for _, p in bucket for key in MOMENTS]
         if not self.local_shards:  # fairseq: torch.norm(t, inf), through DTensor dispatch
-            peaks = [torch.norm(m, float("inf")) for m in moments]
-            peaks = torch.stack([m.full_tensor() if isinstance(m, DTensor) else m
-                                 for m in peaks])
+            peaks = torch.stack([_full(torch.norm(m, float("inf"))) for m in moments])
         else:
             locals_ = [_local(m) for m in moments]
             peaks = torch.stack([torch.norm(m, float("inf")) if m.numel() else
                                  m.new_zeros(()) for m in locals_])
+            p = bucket[0][1]
             if isinstance(p, DTensor):
                 for dim in _shard_dims(p):  # the maximum over the shards (HSDP replicas agree)
                     group = p.device_mesh.get_group(dim)
@@ -204,7 +281,7 @@ class SixteenBitMoments:
                     dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
                 peaks = peaks.to(locals_[0].device)
         scales = SCALE_FLOOR + peaks / FP16_MAX
-        return [s.clone() for s in scales.unbind()]
+        return [s.clone() for s in scales.unbind()]  # each saved on its own
 
     def load_state_dict(self, state_dict):
         # registered now, so that it runs after every other pre-hook (the trainer's reads the

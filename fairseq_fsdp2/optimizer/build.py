@@ -11,7 +11,7 @@ import copy
 import logging
 
 from fairseq import optim
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 
 from .adafactor_state import use_factored_state
 from .adam_stats import use_16_bit_moments
@@ -24,9 +24,9 @@ logger = logging.getLogger(__name__)
 def adam_stats(cfg) -> str:
     """How Adam's moments are stored between steps: ``fp16`` (--fp16-adam-stats), ``bf16``
     (--bf16-adam-stats) or ``fp32``."""
-    if cfg.optimizer.get("fp16_adam_stats", False):
+    if OmegaConf.select(cfg, "optimizer.fp16_adam_stats", default=False):
         return "fp16"
-    if cfg.distributed_training.get("bf16_adam_stats", False):
+    if OmegaConf.select(cfg, "distributed_training.bf16_adam_stats", default=False):
         return "bf16"
     return "fp32"
 
@@ -57,7 +57,7 @@ def build_optimizer(cfg, params, local_shards: bool = True):
     if local_shards:
         use_local_shards(inner.optimizer)  # elementwise optimizers step on the local shards
     use_factored_state(inner.optimizer)  # Adafactor: its row and column statistics sharded
-    if use_16_bit_moments(inner.optimizer, stats, local_shards, seed=cfg.common.get("seed", 1)) \
+    if use_16_bit_moments(inner.optimizer, stats, local_shards, seed=OmegaConf.select(cfg, "common.seed", default=1)) \
             and stats != "fp32":
         logger.info(f"Adam's moments kept in {stats} between steps (--{stats}-adam-stats): "
                     f"half the optimizer state")

@@ -16,6 +16,8 @@ shard), so a run and its resumed copy draw the same numbers, and nothing needs s
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 #: Elements rounded per batch of random integers: the integers (int32) are the only temporary,
@@ -31,13 +33,16 @@ def generator_for(device: torch.device, seed: int) -> torch.Generator:
     return generator
 
 
-def to_bf16_stochastic(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """``x`` (float32) rounded stochastically to bfloat16. A contiguous ``x`` is used as
-    scratch space: its contents are undefined afterwards."""
+def to_bf16_stochastic(x: torch.Tensor, generator: torch.Generator,
+                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x`` (float32) rounded stochastically to bfloat16, into ``out`` if given (a contiguous
+    bf16 tensor of x's shape). A contiguous ``x`` is used as scratch space: its contents are
+    undefined afterwards."""
     if x.dtype != torch.float32:
         raise ValueError(f"expected a float32 tensor, got {x.dtype}")
     x = x.contiguous()
-    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    if out is None:
+        out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
     bits, dest = x.view(-1).view(torch.int32), out.view(-1)
     for start in range(0, bits.numel(), CHUNK):
         part = bits[start:start + CHUNK]

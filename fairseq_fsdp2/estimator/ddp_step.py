@@ -65,5 +65,5 @@ def simulate_ddp(profile: ModelProfile, setup: Setup) -> Ledger:
     rest = P * c - V * d * c - sum(profile.layer_params.values()) * c
     led.add("grads", max(rest, 0))
     largest = max(math.prod(s) for u in profile.units for s in u.shapes)
-    led.moment("optimizer step", optim=step_temporary_bytes(setup, largest, buckets=False))
+    led.moment("optimizer step", optim=step_temporary_bytes(setup, largest, P, buckets=False))
     return led

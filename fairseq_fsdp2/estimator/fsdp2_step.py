@@ -165,7 +165,8 @@ class _FSDP2Step:
             self.reshard(name)
         # optimizer step (the update's temporaries, for the largest shard)
         led.moment("optimizer step",
-                   optim=step_temporary_bytes(s, self.largest) if self.on_device else 0)
+                   optim=step_temporary_bytes(s, self.largest, sharded // 4)
+                   if self.on_device else 0)
         return led
 
     def forward(self) -> None:

@@ -117,13 +117,13 @@ def optimizer_state_bytes(setup: Setup, elements: int) -> int:
     return optimizer_states(setup) * state_bytes(setup) * elements
 
 
-def step_temporary_bytes(setup: Setup, largest: int, buckets: bool = True) -> int:
-    """Bytes alive during the optimizer step on top of the state, ``largest``: the elements of
-    the largest (shard of a) parameter. One float32 temporary of it (Adam's denominator); with
-    16-bit moments, a bucket's moments widened to float32 as well (optimizer/adam_stats.py: at
-    most max(largest, BUCKET_MIN) elements, small parameters' 16-bit moments kept, a large
-    one's released): 8 bytes per element. ``buckets=False``: stock fairseq's FusedAdamV1, one
-    parameter at a time."""
+def step_temporary_bytes(setup: Setup, largest: int, total: int, buckets: bool = True) -> int:
+    """Bytes alive during the optimizer step on top of the state; ``largest``: the elements of
+    the largest (shard of a) parameter, ``total``: of all of them. One float32 temporary of the
+    largest (Adam's denominator); with 16-bit moments, a bucket's moments widened to float32 as
+    well (optimizer/adam_stats.py: at most max(largest, BUCKET_MIN) elements and no more than
+    there are, small parameters' 16-bit moments kept, a large one's released): 8 bytes per
+    element. ``buckets=False``: stock fairseq's FusedAdamV1, one parameter at a time."""
     if state_bytes(setup) == 4:
         return 4 * largest
-    return 8 * (max(largest, BUCKET_MIN) if buckets else largest)
+    return 8 * (min(max(largest, BUCKET_MIN), total) if buckets else largest)

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 def adam_stats(cfg) -> str:
     """How Adam's moments are stored between steps: ``fp16`` (--fp16-adam-stats), ``bf16``
     (--bf16-adam-stats) or ``fp32``."""
-    if OmegaConf.select(cfg, "optimizer.fp16_adam_stats", default=False):
+    if getattr(cfg.optimizer, "fp16_adam_stats", False):  # a Namespace for some optimizers
         return "fp16"
     if OmegaConf.select(cfg, "distributed_training.bf16_adam_stats", default=False):
         return "bf16"

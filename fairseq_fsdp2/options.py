@@ -83,6 +83,12 @@ class FSDP2DistributedTrainingConfig(DistributedTrainingConfig):
                           "default: up to 2 x vocab x dim less memory per rank in backward; "
                           "the same gradient up to float rounding)"},
     )
+    bf16_adam_stats: bool = field(
+        default=False,
+        metadata={"help": "FSDP2, --optimizer adam: keep Adam's two moments in bf16 between "
+                          "steps (stochastic rounding), as --fp16-adam-stats keeps them in "
+                          "fp16: half the optimizer state's memory; meant for --bf16 runs"},
+    )
     fsdp2_tied_grad_buffer: bool = field(
         default=False,
         metadata={"help": "FSDP2: accepted for older command lines; the tied-gradient buffer "
@@ -96,7 +102,8 @@ def tied_grad_buffer_on(dt) -> bool:
 
 
 def validate(dt: FSDP2DistributedTrainingConfig, *, min_params_to_wrap: int, fp16: bool,
-             bf16: bool, world_size: int) -> None:
+             bf16: bool, world_size: int, optimizer: str = "adam",
+             fp16_adam_stats: bool = False) -> None:
     """Check the plugin's options against each other and the world size.
 
     Raises OptionError with one line naming the option; called before any work is done.
@@ -127,6 +134,11 @@ def validate(dt: FSDP2DistributedTrainingConfig, *, min_params_to_wrap: int, fp1
     if dt.fsdp2_tied_grad_buffer and dt.fsdp2_no_tied_grad_buffer:
         raise OptionError("--fsdp2-tied-grad-buffer and --fsdp2-no-tied-grad-buffer conflict: "
                           "choose one")
+    if dt.bf16_adam_stats and fp16_adam_stats:
+        raise OptionError("--bf16-adam-stats and --fp16-adam-stats conflict: choose one")
+    if dt.bf16_adam_stats and optimizer != "adam":
+        raise OptionError(f"--bf16-adam-stats keeps Adam's moments: it needs --optimizer adam, "
+                          f"got --optimizer {optimizer}")
     breakdown = dt.fsdp2_memory_breakdown
     if breakdown < 0:
         raise OptionError(f"--fsdp2-memory-breakdown must be >= 0 (an update number; 0: off), "

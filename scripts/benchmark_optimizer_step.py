@@ -1,9 +1,7 @@
 """(not a test; `.venv/bin/python scripts/benchmark_optimizer_step.py [--tensors N] [--elements N]
-[--steps N]`) The CPU time of the optimizer's part of an update on FSDP2 parameters: fairseq's
-``multiply_grads``, the global-norm clipping and fairseq's Adam step, done through DTensor dispatch
-(the path before optimizer/local_shard_step.py) and on the local shards (the plugin's path), side by
-side in one process, interleaved, medians. What it measures and why:
-fairseq_fsdp2/benchmarks/optimizer_step.py.
+[--steps N] [--adam-stats {fp16,bf16}]`) The CPU time of the optimizer's part of an update on FSDP2
+parameters, DTensor dispatch against the local shards (and, with --adam-stats, 16-bit Adam
+moments). What it measures and why: fairseq_fsdp2/benchmarks/optimizer_step.py.
 """
 import argparse
 import sys
@@ -20,12 +18,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="parameter tensors (default: NLLB-600M's 509)")
     parser.add_argument("--elements", type=int, default=64, help="elements per tensor")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps (first dropped)")
+    parser.add_argument("--adam-stats", choices=("fp16", "bf16"), default=None,
+                        help="also time the local shards with Adam's moments in 16 bits")
     return parser
 
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    optimizer_step.main(args.tensors, args.elements, args.steps)
+    optimizer_step.main(args.tensors, args.elements, args.steps, args.adam_stats)
 
 
 if __name__ == "__main__":

@@ -123,3 +123,39 @@ def adam_drift_bound(lr: float, updates: int, betas=(0.9, 0.999)) -> float:
 #: Parameters whose exact gradient is zero in a fairseq transformer: the key projections'
 #: biases (adding b to every key adds q.b to every score of a query, which softmax removes).
 ZERO_GRADIENT_SUFFIXES = ("k_proj.bias",)
+
+
+#: Stored-moment rounding (optimizer/adam_stats.py), per store, relative to the value stored:
+#: fp16 after fairseq's scaling: the division, fp16's rounding and the multiplication back,
+#: U16 + 3 x U32 (fp16's underflow, below 2^-24 of the scale, is an absolute error: see
+#: moment_rounding_step_error); bf16 rounded stochastically: less than one unit in the last
+#: place, 2^-7 (twice bf16's unit roundoff).
+FP16_MOMENT = U16 + 3 * U32
+BF16_MOMENT = 2 * U_BF16
+
+
+def moment_rounding_step_error(u: float, step: int, betas=(0.9, 0.999)) -> float:
+    """How far (in units of lr) Adam's step ``step`` (1-based) can move one parameter element
+    away from the step float32 moments give, when each moment was rounded to relative ``u``
+    after every earlier step. To first order in u:
+
+    - the second moment: rounding errors made at steps k < t reach v_t multiplied by
+      b2^(t-k), and b2^(t-k) v_k <= v_t (v only adds non-negative terms), so v_t is off by at
+      most (t - 1) u relative, sqrt(v_t) by (t - 1) u / 2, and the step, which is at most
+      adam_step_bound(t) x lr, by that fraction of it;
+    - the first moment: an error u |m_k| made at step k reaches m_t multiplied by b1^(t-k);
+      by Cauchy-Schwarz |m_k| <= (1 - b1) / sqrt(1 - b2) x sqrt(sum_j (b1^2/b2)^j) x sqrt(v_k)
+      and sqrt(v_k) <= b2^-(t-k)/2 sqrt(v_t), so the error is at most u x that factor x
+      sum_{j>=1} (b1 / sqrt(b2))^j x sqrt(v_t), i.e. the step moves by that times the bias
+      correction sqrt(1 - b2^t) / (1 - b1^t) over sqrt(v_t).
+
+    The first step uses no stored moment: 0. Elements whose scaled fp16 second moment
+    underflows to 0 (gradients below about 1e-6 of their tensor's largest) step by m / eps
+    instead; their gradients, that small, change the loss by that little."""
+    b1, b2 = betas
+    r = b1 * b1 / b2
+    cauchy = (1 - b1) / math.sqrt(1 - b2) * math.sqrt(sum(r ** j for j in range(step)))
+    carried = sum((b1 / math.sqrt(b2)) ** j for j in range(1, step))
+    first = u * cauchy * carried * math.sqrt(1 - b2 ** step) / (1 - b1 ** step)
+    second = (step - 1) * u / 2 * adam_step_bound(step, betas)
+    return first + second

@@ -7,7 +7,8 @@ import torch
 from conftest import PLUGIN, REPO, stock_ddp, train_args_for
 from launcher import (FORKED_WORKER, free_port, ok, run_command, run_ranks, start_torchrun,
                       train_inner)
-from numerics import FP32_REORDERED, U16, U_BF16, assert_runs_close, per_update
+from numerics import (BF16_MOMENT, FP16_MOMENT, FP32_REORDERED, U16, U_BF16, assert_runs_close,
+                      moment_rounding_step_error, per_update, printed_close)
 
 FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1"]
 
@@ -19,18 +20,22 @@ def series(output, key):
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory):
     """2-rank runs of the tiny model, each made once and shared by the tests that compare
-    them: runs(name, *flags, updates=N, stock=False) -> rank 0's output."""
+    them: runs(name, *flags, updates=N, stock=False, save=False) -> rank 0's output; a run
+    with save=True keeps its checkpoints in runs.save_dirs[flags]."""
     done = {}
 
-    def run(*flags, updates, stock=False):
-        key = (tuple(map(str, flags)), updates, stock)
+    def run(*flags, updates, stock=False, save=False):
+        key = (tuple(map(str, flags)), updates, stock, save)
         if key not in done:
-            save = tmp_path_factory.mktemp("run")
+            save_dir = tmp_path_factory.mktemp("run")
             # stock: fairseq alone, no --user-dir (conftest.train_args_for)
             done[key] = ok(run_ranks(2, lambda r: train_args_for(
-                corpus, save, *(stock_ddp(r, 2) if stock else FSDP2), *flags, updates=updates,
-                plugin=not stock)))
+                corpus, save_dir, *(stock_ddp(r, 2) if stock else FSDP2), *flags,
+                updates=updates, save=save, plugin=not stock)))
+            if save:
+                run.save_dirs[key[0]] = save_dir
         return done[key]
+    run.save_dirs = {}
     return run
 
 
@@ -234,6 +239,74 @@ def test_bf16_against_fp32(runs, corpus, tmp_path):
     fp32 = runs(*ADAM, updates=20)
     assert_runs_close(ours, fp32, precision_tolerance(U_BF16, runs_rounding=1), 20)
     assert per_update(ours) != per_update(fp32)  # bf16 really computed in bf16
+
+
+def adam_stats_tolerance(u_compute: float, u_store: float, update: int) -> float:
+    """Relative tolerance for update ``update``'s printed loss and gnorm of a run whose Adam
+    moments are stored in 16 bits against the same run with float32 moments. The loss of
+    update n is computed from the weights of steps 1..n-1, and step t is at most
+    moment_rounding_step_error(u_store, t) x lr away from the float32 moments' step; as in
+    precision_tolerance, a relative change e of the steps moves the loss by at most e x what
+    the steps changed it by (< the first loss): 3 e relative. Once the weights differ, each
+    run's 16-bit compute rounds other values: precision_tolerance for both runs on top. A worst
+    case (every rounding aligned): measured differences are far smaller."""
+    steps = max(moment_rounding_step_error(u_store, t) for t in range(1, update))
+    return precision_tolerance(u_compute) + 3 * steps
+
+
+def assert_adam_stats_close(ours: str, float32_moments: str, u_compute: float, u_store: float,
+                            updates: int) -> None:
+    got, want = per_update(ours), per_update(float32_moments)
+    assert sorted(got) == sorted(want) == list(range(1, updates + 1))
+    # step 1 uses no stored moment: the weights of updates 1 and 2 are the same, bit for bit
+    assert got[1] == want[1] and got[2] == want[2], (got, want)
+    for n in range(3, updates + 1):
+        tolerance = adam_stats_tolerance(u_compute, u_store, n)
+        for x, y in zip(got[n], want[n]):
+            assert printed_close(x, y, tolerance), (n, got[n], want[n], tolerance)
+
+
+#: The run with fp16 moments: checkpoints at updates 10 and 20 (resumed below)
+FP16_STATS = (*ADAM, "--fp16", "--fp16-adam-stats", "--save-interval-updates", "10")
+
+
+def test_fp16_adam_stats_train_within_fp16_rounding_of_float32_moments(runs):
+    """--fp16 --fp16-adam-stats (stock fairseq: FusedAdamV1 on CUDA only; the comparison with
+    it is in test_cuda.py) against the plugin's --fp16 run with float32 moments, 20 updates."""
+    ours = runs(*FP16_STATS, updates=20, save=True)
+    assert "Adam's moments kept in fp16 between steps (--fp16-adam-stats)" in ours
+    assert_no_overflow(ours)
+    assert_adam_stats_close(ours, runs(*ADAM, "--fp16", updates=20), U16, FP16_MOMENT, 20)
+
+
+def test_bf16_adam_stats_train_within_bf16_rounding_of_float32_moments(runs):
+    """--bf16 --bf16-adam-stats against the plugin's --bf16 run, 20 updates; each store
+    rounded stochastically is within one unit in the last place (BF16_MOMENT)."""
+    ours = runs(*ADAM, "--bf16", "--bf16-adam-stats", updates=20)
+    assert "Adam's moments kept in bf16 between steps (--bf16-adam-stats)" in ours
+    assert_adam_stats_close(ours, runs(*ADAM, "--bf16", updates=20), U_BF16, BF16_MOMENT, 20)
+
+
+def test_fp16_adam_stats_are_saved_in_fp16_and_resume_exactly(runs, corpus, tmp_path):
+    """The checkpoint of update 10 holds the moments in fp16 with fairseq's scales (DCP
+    metadata); resumed from it, updates 11-20 equal the uninterrupted run's, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+
+    from fairseq_fsdp2.checkpoint.sharded import SHARDS_DIR
+    full = per_update(runs(*FP16_STATS, updates=20, save=True))
+    save_dir = runs.save_dirs[FP16_STATS]
+    (checkpoint,) = save_dir.glob("checkpoint_*_10.pt")
+    shards = torch.load(checkpoint, weights_only=True)["fsdp2"]["shards"]
+    assert shards.startswith(SHARDS_DIR)
+    saved = dcp.FileSystemReader(str(save_dir / shards)).read_metadata().state_dict_metadata
+    moments = {k: v.properties.dtype for k, v in saved.items()
+               if k.startswith("optim.state.") and k.endswith((".exp_avg", ".exp_avg_sq"))}
+    scales = [k for k in saved if k.endswith((".exp_avg_scale", ".exp_avg_sq_scale"))]
+    assert moments and set(moments.values()) == {torch.float16} and \
+        len(scales) == len(moments), (moments, scales)
+    resumed = per_update(ok(run_ranks(2, lambda r: train_args_for(
+        corpus, tmp_path, *FSDP2, *FP16_STATS, "--restore-file", checkpoint, updates=20))))
+    assert resumed == {n: full[n] for n in range(11, 21)}, (resumed, full)
 
 
 @pytest.mark.slow

@@ -104,6 +104,12 @@ CATALOGUE = {
         for flag, value, name in [("--tpu", [], "--tpu"), ("--use-bmuf", [], "--use-bmuf"),
                                   ("--zero-sharding", ["os"], "--zero-sharding"),
                                   ("--model-parallel-size", ["2"], "--model-parallel-size > 1")]],
+    "`--fp16-adam-stats` with `--bf16-adam-stats`, or `--bf16-adam-stats` without Adam": [
+        (1, ["--bf16", "--bf16-adam-stats", "--fp16-adam-stats"],
+         "--bf16-adam-stats and --fp16-adam-stats conflict: choose one"),
+        (1, ["--bf16", "--bf16-adam-stats", "--optimizer", "adafactor"],
+         "--bf16-adam-stats keeps Adam's moments: it needs --optimizer adam, got --optimizer "
+         "adafactor")],
     "`--ema-seed-model` that does not exist or holds no EMA": [
         (1, ["--store-ema", "--ema-seed-model", "{absent}"],
          "--ema-seed-model not found: {absent}"),

@@ -19,7 +19,8 @@ its time limit has the figures nobody has yet). On one GPU (NCCL, one rank):
 - the meta-device build on resume (also with --cpu-offload) and on --finetune-from-model,
   --cpu-offload training, the chunked loss, the tied-gradient buffer;
 - a real torch.OutOfMemoryError from the allocator gives the one-line report.
-On two GPUs (NCCL, two ranks): torchrun against stock fairseq's own 2-GPU run; plain
+On two GPUs (NCCL, two ranks): torchrun against stock fairseq's own 2-GPU run; 16-bit Adam
+moments with --cpu-offload (their scales' all-reduce over NCCL from CPU shards); plain
 ``fairseq-train`` without torchrun (fairseq's default world size is the number of GPUs and it
 spawns one process per GPU: the plugin's spawn runs its launch path in each); --cpu-offload (the
 gradient norm reduced over NCCL from CPU gradients); the fine-tune load holds no full model copy
@@ -27,6 +28,7 @@ on any GPU.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -39,7 +41,8 @@ import torch
 from conftest import PLUGIN, REPO, TINY_MODEL, TRAINING
 from corpus import make_corpus
 from launcher import base_env, free_port, train_inner
-from numerics import FP32_REORDERED, printed_close
+from numerics import BF16_MOMENT, FP16_MOMENT, FP32_REORDERED, moment_rounding_step_error, \
+    printed_close
 
 from fairseq_fsdp2 import estimate as cli
 from fairseq_fsdp2.data.synthetic import write_random_corpus
@@ -319,6 +322,30 @@ def test_16_bit_within_rounding_of_stock_fairseq(corpus, tmp_path, precision):
         assert_within(series(ours, key), series(stock, key), TOLERANCE_16[precision][key], key)
 
 
+#: stock fairseq's --fp16-adam-stats runs on apex's FusedAdamV1 only (fairseq/optim/adam.py):
+#: the module of apex built with --deprecated_fused_adam
+FUSED_ADAM_V1 = importlib.util.find_spec("fused_adam_cuda") is not None
+
+
+@pytest.mark.skipif(not FUSED_ADAM_V1, reason="stock fairseq's --fp16-adam-stats needs apex's "
+                    "fused_adam_cuda (FusedAdamV1): not installed here")
+def test_fp16_adam_stats_within_rounding_of_stock_fairseq(corpus, tmp_path):
+    """Both keep Adam's moments in fp16 with fairseq's per-tensor scale (the plugin on the
+    shards, stock fairseq in FusedAdamV1's kernel). --fp16's own tolerance (TOLERANCE_16,
+    empirical) and both runs' stored moments: each run's steps within
+    moment_rounding_step_error of float32 moments' (tests/numerics.py), moving the loss by at
+    most 3x that relative (tests/test_backend.py's adam_stats_tolerance), the gradient norm by
+    4x that again."""
+    flags = ["--fp16", "--fp16-adam-stats", "--dropout", "0"]
+    ours = ok(run(tiny(corpus, tmp_path / "ours", *FSDP2, *flags, updates=5)))
+    stock = ok(run(tiny(corpus, tmp_path / "stock", *flags, updates=5, plugin=False)))
+    assert "using FusedAdam" in stock and "kept in fp16 between steps" in ours
+    moments = 2 * 3 * max(moment_rounding_step_error(FP16_MOMENT, t) for t in range(1, 5))
+    for key, factor in (("loss", 1), ("gnorm", 4)):
+        assert_within(series(ours, key), series(stock, key),
+                      TOLERANCE_16["fp16"][key] + factor * moments, key)
+
+
 def test_cpu_offload_trains_like_the_gpu(corpus, tmp_path, fsdp2_fp32):
     """--cpu-offload: shards, gradients and Adam on the CPU, compute on the GPU, the gradient
     norm from CPU gradients (optimizer/grad_norm.py). The same fp32 arithmetic on another device: the CPU
@@ -408,6 +435,32 @@ def test_two_gpus_cpu_offload_trains_like_the_gpus(corpus, tmp_path, torchrun_tw
     out = ok(run(tiny(corpus, tmp_path, *FSDP2, "--cpu-offload"), gpus=2, torchrun=2))
     assert_printed_equal(series(out, "loss"), series(torchrun_two, "loss"), "loss")
     assert_printed_equal(series(out, "gnorm"), series(torchrun_two, "gnorm"), "gnorm")
+
+
+@two_gpus
+@pytest.mark.parametrize("stats", ["--fp16-adam-stats", "--bf16-adam-stats"])
+def test_two_gpus_16_bit_adam_moments_with_cpu_offload_train_like_on_the_gpus(corpus, tmp_path,
+                                                                              stats):
+    """16-bit moments on 2 ranks: fp16's scales take one all-reduce of the shards' maxima per
+    bucket, over NCCL though --cpu-offload keeps the moments on the CPU (comm_device), bf16
+    draws its rounding from a generator on the moments' device. The same float32 arithmetic on
+    another device (as test_cpu_offload_trains_like_the_gpu): an ulp of a float32 moment can
+    change its 16-bit rounding, by 2^-11 of one element's step at most, far below the printed
+    precision. (bf16: the CPU and GPU generators draw different numbers: each run within bf16's
+    tolerance of float32, so within twice that of each other, plus the stored moments.)"""
+    precision = "--fp16" if stats == "--fp16-adam-stats" else "--bf16"
+    on_gpus = ok(run(tiny(corpus, tmp_path / "gpu", *FSDP2, precision, stats), gpus=2,
+                     torchrun=2))
+    offload = ok(run(tiny(corpus, tmp_path / "cpu", *FSDP2, precision, stats, "--cpu-offload"),
+                     gpus=2, torchrun=2))
+    assert "between steps" in on_gpus and "over 2 rank(s)" in on_gpus
+    if stats == "--fp16-adam-stats":
+        for key in ("loss", "gnorm"):
+            assert_printed_equal(series(offload, key), series(on_gpus, key), key)
+    else:
+        moments = 2 * 3 * max(moment_rounding_step_error(BF16_MOMENT, t) for t in range(1, 10))
+        assert_within(series(offload, "loss"), series(on_gpus, "loss"),
+                      2 * TOLERANCE_16["bf16"]["loss"] + moments, "loss")
 
 
 @two_gpus

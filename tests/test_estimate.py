@@ -28,9 +28,10 @@ from fairseq_fsdp2.estimator import from_args
 from fairseq_fsdp2 import plot_memory
 from fairseq_fsdp2.data.synthetic import write_random_corpus
 from fairseq_fsdp2.estimator.fsdp2_step import simulate_fsdp2
-from fairseq_fsdp2.estimator.ledger import CATEGORIES
+from fairseq_fsdp2.optimizer.adam_stats import BUCKET_MIN
+from fairseq_fsdp2.estimator.ledger import CATEGORIES, unit_sizes
 from fairseq_fsdp2.estimator.model_profile import resolve, trace_forward, workload_for
-from fairseq_fsdp2.estimator.peak import cpu_baseline_bytes
+from fairseq_fsdp2.estimator.peak import cpu_baseline_bytes, estimate
 from fairseq_fsdp2.memory.charts import per_rank_series, read_memory_log
 
 GIB = 1024 ** 3
@@ -132,6 +133,11 @@ def shard_bytes_per_rank(shard_dir: Path, aliases=()) -> dict[int, dict[str, int
         md = metadata.state_dict_metadata[index.fqn]
         if not isinstance(md, TensorStorageMetadata):
             continue  # e.g. Adam's step count, a Python int
+        if len(md.size) == 0:
+            # fp16 moments' scales: two float32 scalars per parameter, replicated (every
+            # rank holds them, one writes them); the estimator leaves out these 8 bytes per
+            # tensor (8 KB for NLLB-3.3B's ~1,000)
+            continue
         if index.fqn.split(".", 1)[1] in aliases:
             continue
         (chunk,) = [c for c in md.chunks if tuple(c.offsets) == tuple(index.offset)]
@@ -142,16 +148,18 @@ def shard_bytes_per_rank(shard_dir: Path, aliases=()) -> dict[int, dict[str, int
     return found
 
 
-def test_sharded_and_optimizer_bytes_equal_a_real_two_rank_checkpoint(corpus, tmp_path):
+@pytest.mark.parametrize("stats", [[], ["--fp16-adam-stats"]], ids=["fp32", "fp16-moments"])
+def test_sharded_and_optimizer_bytes_equal_a_real_two_rank_checkpoint(corpus, tmp_path, stats):
     """The estimator against reality, term by term: the bytes of parameter shards and of Adam's
     state it predicts for each rank equal the bytes each rank of a real 2-rank FSDP2 run holds
-    (counted from the tensors it saved after one update). The tiny model has odd-sized dims:
-    dim-0 shards are uneven and the ranks fall into classes."""
+    (counted from the tensors it saved after one update), with Adam's moments in float32 and in
+    fp16. The tiny model has odd-sized dims: dim-0 shards are uneven and the ranks fall into
+    classes."""
     from conftest import TINY_MODEL, TRAINING
     save = tmp_path / "ckpt"
     args = [str(corpus), "--user-dir", PLUGIN, *TINY_MODEL, *TRAINING, "--ddp-backend", "fsdp2",
             "--min-params-to-wrap", "1", "--max-update", "1", "--save-dir", str(save),
-            "--no-epoch-checkpoints", "--fsdp2-no-consolidate"]
+            "--no-epoch-checkpoints", "--fsdp2-no-consolidate", *stats]
     ok(run_ranks(2, lambda r: args))
     header = torch.load(save / "checkpoint_last.pt", weights_only=True)["fsdp2"]
     real = shard_bytes_per_rank(save / header["shards"], header["aliases"])
@@ -165,6 +173,8 @@ def test_sharded_and_optimizer_bytes_equal_a_real_two_rank_checkpoint(corpus, tm
         for rank in cls.ranks:
             got = real[rank]
             assert got["optim"] == cls.breakdown["optim"], (rank, got, cls.breakdown)
+            # two moments per parameter element, 4 or 2 bytes each
+            assert got["optim"] == cls.breakdown["sharded"] * (1 if stats else 2)
             # the checkpoint also holds the model's small buffers (fairseq's version
             # counters), on rank 0 only or split: at most their total
             assert 0 <= got["model"] - cls.breakdown["sharded"] <= buffers, \
@@ -278,6 +288,43 @@ def test_legacy_ddp_and_chunked_loss():
     # CPU: the runtime baseline (with NLLB's dictionaries) is part of every figure
     assert one.classes[0].breakdown["other"] >= cpu_baseline_bytes(NLLB_VOCAB)
     assert cpu_baseline_bytes(NLLB_VOCAB) > cpu_baseline_bytes(100)
+
+
+def test_16_bit_adam_moments_halve_the_optimizer_state():
+    """--fp16-adam-stats (and --bf16-adam-stats on FSDP2): two 2-byte moments per parameter
+    element instead of two 4-byte ones; during the optimizer step, the largest shard's moments
+    are float32 as well (optimizer/adam_stats.py steps one parameter at a time). Stock
+    legacy_ddp keeps fp16 moments with --fp16-adam-stats (FusedAdamV1 on GPUs); the plugin's
+    --bf16-adam-stats does nothing there."""
+    base = nllb_args("transformer_nllb_tiny")
+
+    def setup(*flags, world=2):
+        return from_args.setup_for(from_args.parse(base + list(flags)), world)
+    profile = from_args.profile_for(from_args.parse(base + ["--fp16"]))  # fp16 and bf16 alike
+    fp32 = estimate(profile, setup("--fp16"))
+    full = fp32.classes[0].breakdown
+    for flags, stats in ((["--fp16", "--fp16-adam-stats"], "fp16"),
+                         (["--bf16", "--bf16-adam-stats"], "bf16")):
+        assert setup(*flags).adam_stats == stats
+        est = estimate(profile, setup(*flags))
+        half = est.classes[0].breakdown
+        assert half["optim"] * 2 == full["optim"] == 2 * full["sharded"]
+        assert half["sharded"] == full["sharded"]
+        assert 0 < fp32.peak - est.peak <= full["optim"] // 2  # the peak falls by that at most
+        assert f"adam ({stats} moments)" in est.table()
+    led = simulate_fsdp2(profile, setup("--fp16", "--fp16-adam-stats"))
+    largest = max(unit_sizes(u, 2, 0)[2] for u in profile.units)
+    # at the optimizer step, on top of the state (2 x 2 bytes per element: the float32 shards'
+    # bytes): a bucket of moments in float32, 8 bytes per element of the largest shard (or of
+    # the smallest bucket, or all there are); for the largest, its float32 moments less their
+    # released fp16 copies and Adam's float32 denominator: 4 + 2 x (4 - 2)
+    assert largest > BUCKET_MIN  # the embedding's shard sets it here
+    assert led.max["optim"] == led.max["sharded"] + 8 * largest
+    ddp = ["--ddp-backend", "legacy_ddp"]
+    stock, stock16 = (estimate(profile, setup(*ddp, *flags, world=1)).classes[0].breakdown
+                      for flags in (["--fp16"], ["--fp16", "--fp16-adam-stats"]))
+    assert stock16["optim"] * 2 == stock["optim"]
+    assert setup(*ddp, "--bf16", "--bf16-adam-stats", world=1).adam_stats == "fp32"
 
 
 def test_an_optimizer_it_does_not_model_is_counted_as_adam_and_said():

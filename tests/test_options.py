@@ -4,9 +4,11 @@ import pytest
 from fairseq_fsdp2.options import FSDP2DistributedTrainingConfig, OptionError, validate
 
 
-def check(world=2, min_params=0, fp16=False, bf16=False, **options):
+def check(world=2, min_params=0, fp16=False, bf16=False, optimizer="adam",
+          fp16_adam_stats=False, **options):
     validate(FSDP2DistributedTrainingConfig(**options), min_params_to_wrap=min_params,
-             fp16=fp16, bf16=bf16, world_size=world)
+             fp16=fp16, bf16=bf16, world_size=world, optimizer=optimizer,
+             fp16_adam_stats=fp16_adam_stats)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -19,6 +21,9 @@ def check(world=2, min_params=0, fp16=False, bf16=False, **options):
     (dict(world=4, fsdp2_reshard_degree=1), "neither 1 nor 4"),
     (dict(world=8, fsdp2_replicate_degree=2, fsdp2_reshard_degree=4), "shard group size 4"),
     (dict(world=4, fsdp2_reshard_degree=2, no_reshard_after_forward=True), "conflict"),
+    (dict(bf16_adam_stats=True, fp16_adam_stats=True),
+     "--bf16-adam-stats and --fp16-adam-stats conflict"),
+    (dict(bf16_adam_stats=True, optimizer="adafactor"), "needs --optimizer adam"),
 ])
 def test_bad_values_are_refused(kwargs, message):
     with pytest.raises(OptionError, match=message):
@@ -29,5 +34,7 @@ def test_good_values_pass():
     check(world=4, fsdp2_reshard_degree=2)
     check(world=4, fsdp2_replicate_degree=2, min_params=10)
     check(world=1)
+    check(bf16=True, bf16_adam_stats=True)
+    check(fp16=True, fp16_adam_stats=True)
 
 # The same checks from the command line: tests/test_bad_input.py (docs/errors.md).

@@ -1,7 +1,8 @@
 """The CPU time of the optimizer's part of an update on FSDP2 parameters (not a test): fairseq's
 ``multiply_grads``, the global-norm clipping and fairseq's Adam step, done through DTensor
 dispatch (the path before optimizer/local_shard_step.py) and on the local shards (the plugin's
-path), side by side in one process, interleaved, medians.
+path), side by side in one process, interleaved, medians; optionally also the local shards with
+Adam's moments in 16 bits (optimizer/adam_stats.py).
 
 The cost measured is per tensor operation, not per element: the default tensor count is
 NLLB-600M's parameter tensor count (509: 12 + 12 layers, the shared embedding, 2 final layer
@@ -39,26 +40,32 @@ def model(tensors: int, elements: int) -> nn.Module:
     return fully_shard(layers)
 
 
-def optimizer(params, dtensor_path: bool):
-    adam = OmegaConf.structured(FairseqAdamConfig(_name="adam", lr=[1e-3], tpu=False))
-    cfg = OmegaConf.create({"common": {"fp16": False}, "optimizer": adam})
+def optimizer(params, dtensor_path: bool, stats: str = "fp32"):
+    adam = OmegaConf.structured(FairseqAdamConfig(_name="adam", lr=[1e-3], tpu=False,
+                                                  fp16_adam_stats=stats == "fp16"))
+    cfg = OmegaConf.create({"common": {"fp16": False}, "optimizer": adam,
+                            "distributed_training": {"bf16_adam_stats": stats == "bf16"}})
     # dtensor_path: what the plugin did before local_shard_step.py
     return build_optimizer(cfg, params, local_shards=not dtensor_path)
 
 
-def main(tensors: int, elements: int, steps: int) -> None:
-    """Time ``steps`` optimizer steps of each path (one rank, gloo) and print the medians."""
+def main(tensors: int, elements: int, steps: int, adam_stats: str | None = None) -> None:
+    """Time ``steps`` optimizer steps of each path (one rank, gloo) and print the medians;
+    ``adam_stats`` ("fp16", "bf16") adds the local shards with 16-bit moments."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29571")
     dist.init_process_group("gloo", rank=0, world_size=1)
     init_device_mesh("cpu", (1,))
     runs = {}
-    for name, dtensor_path in (("DTensor dispatch", True), ("local shards", False)):
+    paths = [("DTensor dispatch", True, "fp32"), ("local shards", False, "fp32")]
+    if adam_stats:
+        paths.append((f"local shards, {adam_stats} moments", False, adam_stats))
+    for name, dtensor_path, stats in paths:
         m = model(tensors, elements)
         params = list(m.parameters())
         for p in params:
             p.grad = torch.full_like(p, 1e-3)
-        runs[name] = (params, optimizer(params, dtensor_path), [])
+        runs[name] = (params, optimizer(params, dtensor_path, stats), [])
     for _ in range(steps):
         for name, (params, opt, times) in runs.items():
             start = time.perf_counter()
@@ -73,4 +80,7 @@ def main(tensors: int, elements: int, steps: int) -> None:
     for name, t in med.items():
         print(f"{name}: median {t * 1000:.1f} ms per update's optimizer work")
     print(f"local shards: {med['DTensor dispatch'] / med['local shards']:.1f}x faster")
+    if adam_stats:
+        name = f"local shards, {adam_stats} moments"
+        print(f"{name}: {med[name] / med['local shards']:.2f}x the time of float32 moments")
     dist.destroy_process_group()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .ledger import Ledger, Setup, optimizer_states
+from .ledger import Ledger, Setup, optimizer_state_bytes, step_temporary_bytes
 from .model_profile import ModelProfile
 
 
@@ -20,7 +20,7 @@ def simulate_ddp(profile: ModelProfile, setup: Setup) -> Ledger:
     master = mixed and not setup.memory_efficient_fp16
     if master:
         led.add("sharded", P * 4)  # fairseq's FP16Optimizer: fp32 master copy
-    led.add("optim", optimizer_states(setup) * P * 4)
+    led.add("optim", optimizer_state_bytes(setup, P))
     led.add("other", profile.buffer_bytes)
     if setup.world_size > 1:
         led.add("comm", P * c)  # LegacyDistributedDataParallel's all-reduce buffer
@@ -65,5 +65,5 @@ def simulate_ddp(profile: ModelProfile, setup: Setup) -> Ledger:
     rest = P * c - V * d * c - sum(profile.layer_params.values()) * c
     led.add("grads", max(rest, 0))
     largest = max(math.prod(s) for u in profile.units for s in u.shapes)
-    led.moment("optimizer step", optim=largest * 4)
+    led.moment("optimizer step", optim=step_temporary_bytes(setup, largest, P, buckets=False))
     return led

@@ -63,6 +63,16 @@ def backend_of(args) -> str:
                      f"(use fsdp2, fully_sharded or legacy_ddp)")
 
 
+def adam_stats_of(args) -> str:
+    """fairseq's --fp16-adam-stats (stock fairseq's FusedAdamV1 on GPUs too), the plugin's
+    --bf16-adam-stats (FSDP2 runs only)."""
+    if getattr(args, "fp16_adam_stats", False):
+        return "fp16"
+    if getattr(args, "bf16_adam_stats", False) and backend_of(args) == "fsdp2":
+        return "bf16"
+    return "fp32"
+
+
 def setup_for(args, world_size: int) -> Setup:
     replicate = args.replicate_degree or getattr(args, "fsdp2_replicate_degree", 1) or 1
     device = args.device or ("cpu" if getattr(args, "cpu", False) else "cuda")
@@ -82,7 +92,7 @@ def setup_for(args, world_size: int) -> Setup:
         no_sync=bool(getattr(args, "fsdp2_no_sync_micro_batches", False)),
         checkpoint_activations=bool(getattr(args, "checkpoint_activations", False)),
         memory_efficient_fp16=bool(getattr(args, "memory_efficient_fp16", False)),
-        tied_grad_buffer=tied_grad_buffer_on(args))
+        tied_grad_buffer=tied_grad_buffer_on(args), adam_stats=adam_stats_of(args))
 
 
 def build_task(args):

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Optional
 
 from ..sharding.plan import LAYER, ROOT
-from .ledger import Ledger, Setup, optimizer_states, unit_sizes
+from .ledger import (Ledger, Setup, optimizer_state_bytes, step_temporary_bytes,
+                     unit_sizes)
 from .model_profile import ModelProfile
 
 
@@ -131,7 +132,7 @@ class _FSDP2Step:
         sharded = sum(self.local.values()) * 4
         if self.on_device:
             led.add("sharded", sharded)
-            led.add("optim", optimizer_states(s) * sharded)
+            led.add("optim", optimizer_state_bytes(s, sharded // 4))
         led.add("other", p.buffer_bytes)
         if s.update_freq > 1:  # gradients carried over from the earlier micro-batches
             if s.no_sync:
@@ -162,8 +163,10 @@ class _FSDP2Step:
         self.prefetched = {}
         for name in list(self.gathered):
             self.reshard(name)
-        # optimizer step (the update's temporary: one tensor the size of the largest shard)
-        led.moment("optimizer step", optim=self.largest * 4 if self.on_device else 0)
+        # optimizer step (the update's temporaries, for the largest shard)
+        led.moment("optimizer step",
+                   optim=step_temporary_bytes(s, self.largest, sharded // 4)
+                   if self.on_device else 0)
         return led
 
     def forward(self) -> None:

@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
+from ..optimizer.adam_stats import BUCKET_MIN
 from .model_profile import UnitSpec
 
 
@@ -45,6 +46,7 @@ class Setup:
     checkpoint_activations: bool = False
     memory_efficient_fp16: bool = False
     tied_grad_buffer: bool = False  # --fsdp2-tied-grad-buffer: one gradient for all uses
+    adam_stats: str = "fp32"  # Adam's moments between steps: fp16/bf16 (--fp16/--bf16-adam-stats)
 
 
 class Ledger:
@@ -102,3 +104,26 @@ def optimizer_states(setup: Setup) -> int:
     if setup.optimizer == "sgd" and not setup.momentum:
         return 0
     return OPTIMIZER_STATES.get(setup.optimizer, 2)
+
+
+def state_bytes(setup: Setup) -> int:
+    """Bytes per element of each optimizer state tensor: fairseq's Adam with 16-bit moments
+    keeps 2 (optimizer/adam_stats.py), every other optimizer float32."""
+    return 2 if setup.optimizer == "adam" and setup.adam_stats in ("fp16", "bf16") else 4
+
+
+def optimizer_state_bytes(setup: Setup, elements: int) -> int:
+    """The optimizer state kept for ``elements`` parameter elements."""
+    return optimizer_states(setup) * state_bytes(setup) * elements
+
+
+def step_temporary_bytes(setup: Setup, largest: int, total: int, buckets: bool = True) -> int:
+    """Bytes alive during the optimizer step on top of the state; ``largest``: the elements of
+    the largest (shard of a) parameter, ``total``: of all of them. One float32 temporary of the
+    largest (Adam's denominator); with 16-bit moments, a bucket's moments widened to float32 as
+    well (optimizer/adam_stats.py: at most max(largest, BUCKET_MIN) elements and no more than
+    there are, small parameters' 16-bit moments kept, a large one's released): 8 bytes per
+    element. ``buckets=False``: stock fairseq's FusedAdamV1, one parameter at a time."""
+    if state_bytes(setup) == 4:
+        return 4 * largest
+    return 8 * (min(max(largest, BUCKET_MIN), total) if buckets else largest)

@@ -22,8 +22,9 @@ fairseq allocate and free, and the largest total is the peak:
   is gathered (the previous unit in forward order is prefetched), produces its unsharded
   gradients, and reduce-scatters them through an fp32 input buffer that FSDP2 keeps until the
   next reduce-scatter; the root and shared units reduce-scatter at the end of backward;
-- optimizer: sharded parameters, sharded gradients, optimizer state (adam: 2 fp32 tensors, sgd:
-  momentum or none) and the update's temporary for the largest shard.
+- optimizer: sharded parameters, sharded gradients, optimizer state (adam: 2 fp32 tensors, or
+  16-bit ones with --fp16-adam-stats / --bf16-adam-stats; sgd: momentum or none) and the
+  update's temporaries for the largest shard (with 16-bit moments, its moments in fp32 too).
 
 fairseq's stock ``legacy_ddp`` is simulated on the same ledger: full fp32 parameters, gradients and
 optimizer state on every rank, plus its all-reduce buffer (the size of the model, from 2 ranks).
@@ -176,7 +177,10 @@ def describe_setup(setup: Setup) -> str:
         head += f", root reshard {setup.root_reshard}"
     loss = (f"chunked loss ({setup.loss_chunk_tokens} tokens)" if setup.loss_chunk_tokens > 0
             else "stock loss")
-    return f"{head}, {setup.precision}, {setup.optimizer}, {loss}, {setup.device}"
+    optimizer = setup.optimizer
+    if optimizer == "adam" and setup.adam_stats != "fp32":
+        optimizer += f" ({setup.adam_stats} moments)"
+    return f"{head}, {setup.precision}, {optimizer}, {loss}, {setup.device}"
 
 
 def format_estimate(est: Estimate) -> str:

@@ -137,7 +137,9 @@ def set_up_run(cfg) -> bool:
         fairseq_distributed_utils.infer_init_method(dt)
     validate(dt, min_params_to_wrap=getattr(cfg.model, "min_params_to_wrap", 0),
              fp16=cfg.common.fp16, bf16=cfg.common.bf16,
-             world_size=dt.distributed_world_size)
+             world_size=dt.distributed_world_size,
+             optimizer=getattr(cfg.optimizer, "_name", None),  # a Namespace for some
+             fp16_adam_stats=bool(getattr(cfg.optimizer, "fp16_adam_stats", False)))
     preflight.check_fairseq_flags(cfg)
     meta_build.enable(preflight.weights_will_be_loaded(cfg))
     if dt.distributed_no_spawn:  # a rank (not a task that starts ranks)

@@ -8,13 +8,27 @@ and unscales the (sharded) gradients.
 from __future__ import annotations
 
 import copy
+import logging
 
 from fairseq import optim
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 
 from .adafactor_state import use_factored_state
+from .adam_stats import use_16_bit_moments
 from .grad_norm import use_global_grad_norm
 from .local_shard_step import use_local_shards
+
+logger = logging.getLogger(__name__)
+
+
+def adam_stats(cfg) -> str:
+    """How Adam's moments are stored between steps: ``fp16`` (--fp16-adam-stats), ``bf16``
+    (--bf16-adam-stats) or ``fp32``."""
+    if getattr(cfg.optimizer, "fp16_adam_stats", False):  # a Namespace for some optimizers
+        return "fp16"
+    if OmegaConf.select(cfg, "distributed_training.bf16_adam_stats", default=False):
+        return "bf16"
+    return "fp32"
 
 
 def build_optimizer(cfg, params, local_shards: bool = True):
@@ -27,17 +41,26 @@ def build_optimizer(cfg, params, local_shards: bool = True):
     (grad_norm.py), whatever fairseq's helper would compute; elementwise work (Adam's step,
     scaling the gradients) runs on the local shards (local_shard_step.py; ``local_shards=False``
     leaves it to DTensor dispatch, the reference the tests and the benchmark compare with);
-    Adafactor's factored statistics are made DTensors (adafactor_state.py)."""
+    Adafactor's factored statistics are made DTensors (adafactor_state.py); Adam's moments are
+    kept in 16 bits with ``--fp16-adam-stats`` (fairseq's FusedAdamV1 only: on fairseq's own
+    Adam it raises NotImplementedError) or ``--bf16-adam-stats`` (adam_stats.py)."""
     optimizer_cfg = cfg.optimizer
+    stats = adam_stats(cfg)
     if "use_old_adam" in optimizer_cfg:
         optimizer_cfg = copy.deepcopy(optimizer_cfg)  # the run's saved cfg stays the user's
         with open_dict(optimizer_cfg):
             optimizer_cfg.use_old_adam = True
+            if "fp16_adam_stats" in optimizer_cfg:
+                optimizer_cfg.fp16_adam_stats = False  # done here instead, on the shards
     inner = optim.build_optimizer(optimizer_cfg, params)
     use_global_grad_norm(inner, local_shards)
     if local_shards:
         use_local_shards(inner.optimizer)  # elementwise optimizers step on the local shards
     use_factored_state(inner.optimizer)  # Adafactor: its row and column statistics sharded
+    if use_16_bit_moments(inner.optimizer, stats, local_shards, seed=OmegaConf.select(cfg, "common.seed", default=1)) \
+            and stats != "fp32":
+        logger.info(f"Adam's moments kept in {stats} between steps (--{stats}-adam-stats): "
+                    f"half the optimizer state")
     if cfg.common.fp16:
         # After loading optimizer state, fairseq's wrapper copies the saved state back over
         # what torch loaded, lest torch cast it to fp16 parameters. Here the parameters are

@@ -3,7 +3,8 @@
 
 Two copies of a small model (rows that do not divide evenly over 2 ranks, a bias, a weight
 decay that touches every element) are sharded with FSDP2 and trained 4 steps on the same
-batches. The reference is the plugin's optimizer built with ``local_shards=False`` (fairseq's
+batches, with Adam's moments in float32, and in fp16 (--fp16-adam-stats: per-tensor scales from
+an all-reduce of the shards' maxima) and bf16 (stochastic rounding) between steps. The reference is the plugin's optimizer built with ``local_shards=False`` (fairseq's
 ``multiply_grads``, torch's clipping and fairseq's Adam on the DTensors, through DTensor
 dispatch); the other is the plugin's optimizer as training builds it, which does that work on
 the local shards; both also under fairseq's fp16 wrapper (loss scaling, deferred unscaling).
@@ -36,14 +37,16 @@ def model(mesh) -> nn.Module:
     return fully_shard(m, mesh=mesh)
 
 
-def cfg(fp16: bool):
+def cfg(fp16: bool, stats: str = "fp32"):
     adam = OmegaConf.structured(FairseqAdamConfig(
-        _name="adam", lr=[1e-2], weight_decay=0.01, tpu=False))
+        _name="adam", lr=[1e-2], weight_decay=0.01, tpu=False,
+        fp16_adam_stats=stats == "fp16"))
     return OmegaConf.create({  # what fairseq's fp16 wrapper reads
         "common": {"fp16": fp16, "fp16_init_scale": 8, "fp16_scale_window": None,
                    "fp16_scale_tolerance": 0.0, "threshold_loss_scale": None,
-                   "min_loss_scale": 1e-4, "model_parallel_size": 1},
-        "distributed_training": {"distributed_world_size": dist.get_world_size()},
+                   "min_loss_scale": 1e-4, "model_parallel_size": 1, "seed": 1},
+        "distributed_training": {"distributed_world_size": dist.get_world_size(),
+                                 "bf16_adam_stats": stats == "bf16"},
         "optimization": {"update_freq": [1]}, "optimizer": adam})
 
 
@@ -57,12 +60,16 @@ def torch_optimizer(optimizer):
     return inner.optimizer
 
 
-def run(fp16: bool) -> dict:
+def full(value):
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def run(fp16: bool, stats: str = "fp32") -> dict:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     reference, ours = model(mesh), model(mesh)
     ref_params, our_params = list(reference.parameters()), list(ours.parameters())
-    ref_opt = build_optimizer(cfg(fp16), ref_params, local_shards=False)
-    our_opt = build_optimizer(cfg(fp16), our_params)
+    ref_opt = build_optimizer(cfg(fp16, stats), ref_params, local_shards=False)
+    our_opt = build_optimizer(cfg(fp16, stats), our_params)
     for step in range(STEPS):
         for m, opt in ((reference, ref_opt), (ours, our_opt)):
             opt.zero_grad()
@@ -83,13 +90,17 @@ def run(fp16: bool) -> dict:
         "params_moved": min((a.full_tensor() - b.full_tensor()).abs().max().item()
                             for a, b in zip(our_params, model(mesh).parameters())),
         "state_keys_equal": all(set(a) == set(b) for a, b in zip(ref_state, our_state)),
-        "state_max_diff": max((a[k].full_tensor() - b[k].full_tensor()).abs().max().item()
+        "state_max_diff": max((full(a[k]).float() - full(b[k]).float()).abs().max().item()
                               for a, b in zip(ref_state, our_state)
                               for k in a if torch.is_tensor(a[k])),
         "state_steps": sorted({b["step"] for b in our_state}),
+        # the moments (the scales are plain scalars, the same on every rank)
         "state_is_dtensor": all(isinstance(b[k], DTensor) and b[k].placements == p.placements
                                 for b, p in zip(our_state, our_params)
-                                for k in b if torch.is_tensor(b[k])),
+                                for k in b if torch.is_tensor(b[k]) and b[k].dim()),
+        "state_dtypes": sorted({str(b[k].dtype) for b in our_state
+                                for k in ("exp_avg", "exp_avg_sq")}),
+        "state_keys": sorted({k for b in our_state for k in b}),
     }
 
 
@@ -97,6 +108,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     adafactor = Adafactor([nn.Parameter(torch.ones(2))], lr=1e-2, relative_step=False)
     report = {"fp32": run(False), "fp16_wrapper": run(True),
+              "fp16_adam_stats": run(True, "fp16"), "bf16_adam_stats": run(False, "bf16"),
               "adafactor_local_path": use_local_shards(adafactor)}
     report_and_exit(report)
 

@@ -1,0 +1,53 @@
+"""float32 to bfloat16 with stochastic rounding, from a seeded generator.
+
+Why not round to nearest: bf16 keeps 8 significant bits, so half a unit in the last place is
+2^-9 to 2^-8 of a value. Adam's second moment moves by (1 - beta2) = 0.1% of itself per step
+(beta2 = 0.999): rounded to nearest, a second moment that should decay (smaller gradients)
+rounds back to itself at every step and never decreases, and one that should grow does so only
+when the squared gradient exceeds about 3x the moment. Rounded up with probability equal to
+the fraction cut off, each stored value is exact on average, and the decay is kept.
+
+How: a float32's bit pattern read as an int32 has the bf16 value in its high 16 bits. Adding a
+uniform random integer in [0, 2^16) to the pattern and clearing the low 16 bits rounds the
+magnitude up with probability (low bits) / 2^16, else down (a carry runs into the exponent as
+it should; the sign bit is untouched for finite values). The random integers come from a
+generator seeded by the caller (adam_stats.py: the run's seed, the step, the parameter, the
+shard), so a run and its resumed copy draw the same numbers, and nothing needs saving.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+#: Elements rounded per batch of random integers: the integers (int32) are the only temporary,
+#: 16 MiB at most, whatever the tensor's size.
+CHUNK = 1 << 22
+LOW_BITS = 1 << 16
+HIGH_MASK = -LOW_BITS  # 0xFFFF0000 as an int32
+
+
+def generator_for(device: torch.device, seed: int) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def to_bf16_stochastic(x: torch.Tensor, generator: torch.Generator,
+                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x`` (float32) rounded stochastically to bfloat16, into ``out`` if given (a contiguous
+    bf16 tensor of x's shape). A contiguous ``x`` is used as scratch space: its contents are
+    undefined afterwards."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"expected a float32 tensor, got {x.dtype}")
+    x = x.contiguous()
+    if out is None:
+        out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    bits, dest = x.view(-1).view(torch.int32), out.view(-1)
+    for start in range(0, bits.numel(), CHUNK):
+        part = bits[start:start + CHUNK]
+        noise = torch.randint(0, LOW_BITS, part.shape, dtype=torch.int32, device=x.device,
+                              generator=generator)
+        part.add_(noise).bitwise_and_(HIGH_MASK)
+        dest[start:start + CHUNK].copy_(part.view(torch.float32))  # exact: low bits are zero
+    return out

@@ -1,0 +1,171 @@
+"""Adam's moments in 16 bits between steps (optimizer/adam_stats.py): ``--fp16-adam-stats``
+(fairseq's scaling) and ``--bf16-adam-stats`` (stochastic rounding).
+
+The moments themselves, in one process: the plugin's Adam and a float32 Adam fed the same
+gradients, the 16-bit moments within a bound computed element by element from the rounding of
+each store (fairseq-train runs against the float32 moments, and resume: tests/test_backend.py;
+the local-shard path against DTensor dispatch: tests/test_local_shards.py). And the checkpoint:
+saved at 2 ranks, loaded at 3 (tests/probes/adam_stats_probe.py).
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from fairseq.optim.adam import FairseqAdamConfig
+from omegaconf import OmegaConf
+
+from conftest import REPO
+from launcher import ok, run_ranks
+from numerics import BF16_MOMENT, FP16_MOMENT, U32
+
+from fairseq_fsdp2.optimizer.adam_stats import SCALE_KEYS
+from fairseq_fsdp2.optimizer.build import build_optimizer
+
+BETAS = (0.9, 0.999)
+PROBES = str(REPO / "tests" / "probes")
+
+
+def adam(params, stats: str, lr: float = 1e-3):
+    cfg = OmegaConf.create({
+        "common": {"fp16": False, "seed": 1}, "optimization": {"update_freq": [1]},
+        "distributed_training": {"bf16_adam_stats": stats == "bf16"},
+        "optimizer": OmegaConf.structured(FairseqAdamConfig(
+            _name="adam", lr=[lr], adam_betas=BETAS, tpu=False,
+            fp16_adam_stats=stats == "fp16"))})
+    return build_optimizer(cfg, params).optimizer
+
+
+def effective(state: dict, key: str) -> torch.Tensor:
+    scale = state.get(SCALE_KEYS[key])
+    value = state[key].float()
+    return value * scale if scale is not None else value
+
+
+@pytest.mark.parametrize("stats", ["fp16", "bf16"])
+def test_16_bit_moments_stay_within_their_rounding_of_float32_moments(stats):
+    """30 steps of gradients whose magnitudes span 1e-3..1 (moments over 6 decades), every
+    element of both moments after every step within the bound below, computed from the values
+    (a rigorous bound, not a tolerance: any slip in the scale or the rounding exceeds it)."""
+    torch.manual_seed(0)
+    grads = [torch.randn(64, 16) * torch.logspace(-3, 0, 16) for _ in range(30)]
+    ours, ref = torch.nn.Parameter(torch.zeros(64, 16)), torch.nn.Parameter(torch.zeros(64, 16))
+    opt, ref_opt = adam([ours], stats), adam([ref], "fp32")
+    store = FP16_MOMENT if stats == "fp16" else BF16_MOMENT
+    dtype = torch.float16 if stats == "fp16" else torch.bfloat16
+    bound = {"exp_avg": torch.zeros(64, 16), "exp_avg_sq": torch.zeros(64, 16)}
+    before = {"exp_avg": (torch.zeros(64, 16),) * 2, "exp_avg_sq": (torch.zeros(64, 16),) * 2}
+    for g in grads:
+        ours.grad, ref.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+        state, ref_state = opt.state[ours], ref_opt.state[ref]
+        for key, beta, term in (("exp_avg", BETAS[0], g.abs()),
+                                ("exp_avg_sq", BETAS[1], g.square())):
+            assert state[key].dtype == dtype
+            assert (SCALE_KEYS[key] in state) == (stats == "fp16")
+            got, want = effective(state, key), ref_state[key]
+            # both runs compute beta x m + (1 - beta) x term in float32 (at most 4 roundings
+            # of these magnitudes), from stored values that differ by the previous bound
+            mine, theirs = before[key]
+            pre = beta * bound[key] + 4 * U32 * (beta * (mine.abs() + theirs.abs())
+                                                 + 2 * (1 - beta) * term)
+            # then ours is stored: relative `store`, and fp16's underflow (a scaled value
+            # below 2^-24 rounds to a multiple of 2^-24: half of it, times the scale)
+            floor = float(state[SCALE_KEYS[key]]) * 2.0 ** -25 * (1 + 4 * U32) \
+                if stats == "fp16" else 0.0
+            bound[key] = pre + store * (want.abs() + pre) + floor
+            excess = ((got - want).abs() - bound[key]).max().item()
+            assert excess <= 0, f"{key}: {excess} beyond the bound"
+            before[key] = (got, want)
+    # the bound is not vacuous: the 16-bit moments do differ, by far less than themselves
+    m, m32 = effective(opt.state[ours], "exp_avg"), ref_opt.state[ref]["exp_avg"]
+    assert 0 < (m - m32).abs().max() < 0.05 * m32.abs().max()
+
+
+def test_fp16_scale_is_fairseqs():
+    """fairseq's FusedAdamV1: scale = 1e-8 + max|moment| / 65504; the largest element is
+    stored near fp16's largest finite value (65504 / (1 + 1e-8 x 65504 / max))."""
+    p = torch.nn.Parameter(torch.zeros(5, 3))
+    opt = adam([p], "fp16")
+    p.grad = torch.arange(15.0).reshape(5, 3) - 7
+    opt.step()
+    state = opt.state[p]
+    m = (1 - BETAS[0]) * p.grad
+    scale = float(state["exp_avg_scale"])
+    assert scale == pytest.approx(1e-8 + 0.7 / 65504, rel=U32 * 4)
+    assert state["exp_avg"].abs().max().item() == pytest.approx(0.7 / scale, rel=FP16_MOMENT)
+    assert 65000 < 0.7 / scale < 65504
+    assert torch.allclose(effective(state, "exp_avg"), m, rtol=FP16_MOMENT, atol=0)
+
+
+def test_bf16_second_moment_decays_as_in_float32():
+    """Why stochastic rounding (stochastic_round.py): 50 steps of gradients +-1, then 250 of
+    zero gradients, over 4096 elements. The exact v decays by 0.999^250 = 0.78 in the second
+    part; bf16 rounded to nearest keeps it (each 0.1% decay is below half a unit in bf16's last
+    place), 28% too large. The plugin's bf16 moments, rounded up with probability equal to the
+    fraction cut off, are unbiased: each store's error has mean zero and magnitude below
+    2 x 2^-8 of the value (1 ulp, and values stay within 2x of the exact ones), and reaches
+    v_T multiplied by b2^(T-t) <= v_T / v_t. The mean over N elements of v / v_exact - 1 is a
+    sum of N x T such independent increments of at most 2^-6 / N: by Azuma-Hoeffding it exceeds
+    eps with probability at most 2 exp(-eps^2 N / (2 T 2^-12)): for eps = 0.05, N = 4096,
+    T = 300, 2 x e^-70 (the seed is fixed: deterministic all the same). The float32 arithmetic
+    of each step: below 300 x 4 x U32 = 7e-5."""
+    n, up, down = 4096, 50, 250
+    ours = torch.nn.Parameter(torch.zeros(n))
+    opt = adam([ours], "bf16")
+    nearest = torch.zeros(n, dtype=torch.bfloat16)  # v stored rounded to nearest
+    exact = 0.0  # every element's v in exact arithmetic (g^2 = 1, then 0)
+    torch.manual_seed(0)
+    for t in range(up + down):
+        g = torch.randint(0, 2, (n,)).float() * 2 - 1 if t < up else torch.zeros(n)
+        ours.grad = g
+        opt.step()
+        exact = BETAS[1] * exact + (1 - BETAS[1]) * (1.0 if t < up else 0.0)
+        nearest = (BETAS[1] * nearest.float() + (1 - BETAS[1]) * g * g).bfloat16()
+    v = opt.state[ours]["exp_avg_sq"]
+    assert v.dtype == torch.bfloat16
+    eps = 0.05 + (up + down) * 4 * U32
+    assert abs(v.float().mean().item() / exact - 1) <= eps
+    # the rounding-to-nearest control is far outside: the test tells the two apart
+    assert nearest.float().mean().item() / exact - 1 > math.pow(BETAS[1], -down) - 1 - eps
+
+
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adam_stats")
+    env = {"PYTHONPATH": PROBES}
+    ok(run_ranks(2, lambda r: ["save", root], module="adam_stats_probe", env=env))
+    out = ok(run_ranks(3, lambda r: ["load", root], module="adam_stats_probe", env=env))
+    return json.loads(next(line for line in out.splitlines() if line.startswith("PROBE "))[6:])
+
+
+#: (saved, run) -> the moments' dtype as loaded, and after the next step
+DTYPES = {"fp16->fp16": ("torch.float16", "torch.float16"),
+          "bf16->bf16": ("torch.bfloat16", "torch.bfloat16"),
+          "fp16->fp32": ("torch.float16", "torch.float32"),
+          "fp32->fp16": ("torch.float32", "torch.float16"),
+          "bf16->fp16": ("torch.bfloat16", "torch.float16")}
+
+
+@pytest.mark.parametrize("pair", list(DTYPES))
+def test_16_bit_state_reshards_and_converts_between_formats(resharded, pair):
+    """Saved by 2 ranks in the plugin's sharded checkpoint, loaded by 3 (other, uneven shards):
+    the state is what was saved, bit for bit, in its saved dtype (16-bit moments are not widened
+    to float32 by loading: no float32 copy of the state at resume); and with or without the
+    flag, the next step computes from the saved values and stores the run's own format."""
+    r = resharded[pair]
+    run = pair.split("->")[1]
+    assert r["bits_equal"]
+    assert r["loaded_dtypes"] == [DTYPES[pair][0]]
+    assert r["after_dtypes"] == [DTYPES[pair][1]] and r["after_is_dtensor"]
+    scales = {"exp_avg_scale", "exp_avg_sq_scale"}
+    assert scales <= set(r["after_keys"]) if run == "fp16" else not scales & set(r["after_keys"])
+    # the zero-gradient step: m x 0.9 and v x 0.999 of the saved values, exact in float32,
+    # then one store in the run's format (relative to each tensor's largest element: fp16's
+    # rounding, plus its underflow floor of 2^-25 x scale = 2^-25 x (1e-8 / max + 1 / 65504))
+    floor = 2.0 ** -25 * (1e-8 / r["min_peak"] + 1 / 65504) * (1 + 4 * U32)
+    allowed = {"fp32": 0.0, "fp16": FP16_MOMENT + floor, "bf16": BF16_MOMENT}[run]
+    assert r["min_peak"] > 0 and r["after_max_rel"] <= allowed

@@ -18,7 +18,9 @@ import torch.distributed.checkpoint as dcp
 
 from ..errors import CheckpointError
 from ..models.nllb import NLLB_SIZES
+from ..options import PLUGIN_OPTIONS
 from ..hf import nllb_weights as hf_nllb
+from ..hf.tokenizer_files import DATA_SUBDIR as TOKENIZER_SUBDIR
 from . import legacy_fairscale, sharded
 from .safe_load import read_checkpoint_file
 
@@ -31,7 +33,8 @@ def consolidate(checkpoint: str, out: str, data: str | None = None,
     ``<name>-shard<rank>.pt`` files (or ``<name>.pt`` for all of them); ``data`` replaces the
     data directory in a legacy save's cfg (the model is built from it to find tied weights).
     ``out_format`` "hf": ``out`` is a Hugging Face model directory, and ``checkpoint`` may
-    also be a consolidated (stock) fairseq checkpoint."""
+    also be a consolidated (stock) fairseq checkpoint; the tokenizer files come from the data
+    directory (``data``, or the one in the checkpoint's cfg) when it has them."""
     legacy = legacy_fairscale.shard_files(checkpoint)
     if legacy:
         if any(os.path.abspath(out) == os.path.abspath(f) for f in legacy):
@@ -53,8 +56,19 @@ def consolidate(checkpoint: str, out: str, data: str | None = None,
         model_cfg = cfg.get("model") if isinstance(cfg, dict) else None
         if not isinstance(model_cfg, dict):
             raise CheckpointError(f"{checkpoint} has no model config (cfg.model)")
-        return hf_nllb.export(model, model_cfg, out)
+        return hf_nllb.export(model, model_cfg, out, tokenizer_dir(cfg, data))
     return _write(state, model, out)
+
+
+def tokenizer_dir(cfg, data: str | None) -> str | None:
+    """DATA/hf_tokenizer of the data the checkpoint was trained on (``data``, else its cfg's
+    task.data), if data preparation wrote one (--hf-model)."""
+    task = cfg.get("task") if isinstance(cfg, dict) else None
+    data = data or (task.get("data") if isinstance(task, dict) else None)
+    if not isinstance(data, str) or not data:
+        return None
+    path = os.path.join(data.split(os.pathsep)[0], TOKENIZER_SUBDIR)
+    return path if os.path.isdir(path) else None
 
 
 def _write(state: dict, model: dict, out: str) -> str:
@@ -79,6 +93,13 @@ def read_with_full_weights(read, path, *args, **kwargs) -> dict:
     if sharded.is_sharded(state.get("model")) and not sharded.is_trainer_loading():
         state["model"] = _fsdp2_model(path, state)
     return state
+
+
+def read_full_model(checkpoint: str) -> dict:
+    """The full model weights of a checkpoint file: a sharded FSDP2 one (read from its shard
+    directory, in this process) or a stock one (memory-mapped)."""
+    state = read_checkpoint_file(checkpoint)
+    return _fsdp2_model(checkpoint, state) if "fsdp2" in state else state["model"]
 
 
 def _fsdp2_model(checkpoint: str, state: dict) -> dict:
@@ -106,7 +127,8 @@ def _stock_cfg(cfg):
     cfg = _plain(cfg)
     if not isinstance(cfg, dict) or not isinstance(cfg.get("distributed_training"), dict):
         return cfg
-    dt = {k: v for k, v in cfg["distributed_training"].items() if not k.startswith("fsdp2_")}
+    dt = {k: v for k, v in cfg["distributed_training"].items()
+          if not k.startswith("fsdp2_") and k not in PLUGIN_OPTIONS}
     if dt.get("ddp_backend") in ("fsdp2", "fully_sharded"):
         dt["ddp_backend"] = "pytorch_ddp"
     if dt.get("use_sharded_state"):

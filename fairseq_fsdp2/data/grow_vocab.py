@@ -4,8 +4,9 @@
 
 The dictionary written keeps the model's rows exactly where they are (its first rows are the
 model's: from ``--hf-model DIR``, or ``--dict`` [+ the NLLB-200 languages with ``--dict-langs
-nllb200``] up to ``--model-rows``), then the new ``__xxx_Latn__`` tokens, then the new pieces,
-then fairseq's padding (``madeupwordNNNN``, to a multiple of ``--padding-factor``, as
+nllb200``] up to ``--model-rows``), then the new ``__xxx_Latn__`` tokens, then the new pieces (and
+pieces of the model's SentencePiece model that the new training text uses and a dictionary
+built from other text lacked), then fairseq's padding (``madeupwordNNNN``, to a multiple of ``--padding-factor``, as
 fairseq-preprocess pads a dictionary it builds). The new pieces go into a copy of the model's
 SentencePiece model (spm_model.py), which encodes the data and becomes DEST/spm.model. With
 ``--hf-model`` the model's tokenizer files are grown alike into DEST/hf_tokenizer
@@ -17,6 +18,7 @@ checkpoint has the rows the dictionary was grown from (checkpoint/grow_embedding
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
@@ -55,16 +57,19 @@ class Growth:
     base: BaseVocabulary
     langs: list[str]
     pieces: list[str] = field(default_factory=list)
+    #: pieces of the model's own SentencePiece model that its dictionary did not list
+    listed: list[str] = field(default_factory=list)
     padding: list[str] = field(default_factory=list)
 
     def dictionary_lines(self) -> list[str]:
         return self.base.lines + [f"{lang_token(c)} 1" for c in self.langs] + \
-            [f"{p} 1" for p in self.pieces] + self.padding
+            [f"{p} 1" for p in self.pieces + self.listed] + self.padding
 
     def rows(self) -> dict[str, list[tuple[str, int]]]:
         """The new entries by kind, each with its row."""
         row, found = self.base.rows, {}
         for kind, tokens in (("langs", self.langs), ("pieces", self.pieces),
+                             ("listed", self.listed),
                              ("padding", [line.split(" ")[0] for line in self.padding])):
             found[kind] = [(t, row + i) for i, t in enumerate(tokens)]
             row += len(tokens)
@@ -75,7 +80,8 @@ class Growth:
         return {"model": self.base.source, "model_rows": self.base.rows,
                 "rows": self.base.rows + sum(len(v) for v in rows.values()),
                 "langs": {lang_token(c): r for c, r in rows["langs"]},
-                "pieces": dict(rows["pieces"]), "padding": dict(rows["padding"])}
+                "pieces": dict(rows["pieces"]), "listed": dict(rows["listed"]),
+                "padding": dict(rows["padding"])}
 
 
 def parse_add_langs(spec: Optional[str]) -> list[str]:
@@ -118,15 +124,22 @@ def base_vocabulary(hf_model: Optional[Path], spm_model: Optional[Path],
     return BaseVocabulary(lines, langs, Path(spm_model), f"--dict {dictionary}")
 
 
+def check_new_langs(base: BaseVocabulary, langs: Sequence[str]) -> None:
+    known = {line.split(" ")[0] for line in base.lines}
+    for code in langs:
+        if lang_token(code) in known:
+            raise PrepareError(f"--add-langs {code}: the model has that language already")
+
+
 def pieces_to_add(base: BaseVocabulary, add_pieces_file: Optional[Path], train_pieces: int,
                   new_text: Sequence[str], work: Path, seed: int
                   ) -> tuple[list[tuple[str, Optional[float]]], str]:
-    """The candidate pieces (with scores where known) and where they come from: the file's,
-    then those of a SentencePiece model of ``train_pieces`` pieces, of the model's type,
-    trained on ``new_text``."""
+    """The candidate pieces (with scores where known) and where they come from: the file's
+    (read_pieces_file), then those of a SentencePiece model of ``train_pieces`` pieces, of the
+    model's type, trained on ``new_text``."""
     found, origin = [], []
     if add_pieces_file is not None:
-        found += read_pieces_file(add_pieces_file)
+        found += read_pieces_file(add_pieces_file)  # read before any work too: its errors
         origin.append(f"--add-pieces {add_pieces_file}")
     if train_pieces:
         kind = model_type(read_model(base.spm_model))
@@ -138,13 +151,12 @@ def pieces_to_add(base: BaseVocabulary, add_pieces_file: Optional[Path], train_p
 
 
 def grow(base: BaseVocabulary, langs: Sequence[str],
-         pieces: Sequence[tuple[str, Optional[float]]], pieces_origin: str, work: Path,
-         padding_factor: int) -> tuple[Path, Growth]:
-    """The grown SentencePiece model (in ``work``) and what is added to the dictionary."""
+         pieces: Sequence[tuple[str, Optional[float]]], pieces_origin: str,
+         work: Path) -> tuple[Path, Growth]:
+    """The grown SentencePiece model (in ``work``) and what is added to the dictionary (to be
+    ``complete``d once the text is encoded)."""
+    check_new_langs(base, langs)
     known = {line.split(" ")[0] for line in base.lines}
-    for code in langs:
-        if lang_token(code) in known:
-            raise PrepareError(f"--add-langs {code}: the model has that language already")
     model = base.spm_model
     new_pieces: list[str] = []
     if pieces:
@@ -154,10 +166,23 @@ def grow(base: BaseVocabulary, langs: Sequence[str],
         if clash is not None:
             raise PrepareError(f"{pieces_origin}: {clash!r} is a dictionary entry of the "
                                f"model but not a piece of its SentencePiece model")
-    growth = Growth(base, list(langs), new_pieces)
-    entries = base.rows + len(langs) + len(new_pieces)
-    growth.padding = padding_lines(known | set(new_pieces), entries, padding_factor)
-    return model, growth
+    return model, Growth(base, list(langs), new_pieces)
+
+
+def complete(growth: Growth, encoded_train: Sequence[Path], padding_factor: int) -> None:
+    """After encoding: add the pieces the training text uses that the dictionary lacks (a
+    dictionary built from other text need not list every piece of its SentencePiece model),
+    most frequent first, then fairseq's padding."""
+    known = {line.split(" ")[0] for line in growth.base.lines} | set(growth.pieces) | \
+        set(FAIRSEQ_SPECIALS)
+    counts = Counter()
+    for path in encoded_train:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                counts.update(t for t in line.split() if t not in known)
+    growth.listed = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+    entries = growth.base.rows + len(growth.langs) + len(growth.pieces) + len(growth.listed)
+    growth.padding = padding_lines(known | set(growth.listed), entries, padding_factor)
 
 
 def write_outputs(growth: Growth, model: Path, dest: Path) -> None:

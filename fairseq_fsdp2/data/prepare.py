@@ -42,7 +42,7 @@ from .dictionary import FAIRSEQ_SPECIALS, build_dictionary, read_dict_tokens
 from .inputs import SPLITS, Pair, PrepareError, discover_pairs, parse_pairs, plan_splits, \
     read_lines
 from .preprocess import PreprocessError, run_preprocess
-from .spm_model import train_spm
+from .spm_model import read_pieces_file, train_spm
 
 __all__ = ["PrepareError", "main", "prepare", "read_lines", "train_spm"]
 
@@ -102,6 +102,9 @@ def prepare(raw_dir: Path, dest: Path, *, lang_pairs: Optional[str] = None,
     if growing:
         base = grow_vocab.base_vocabulary(hf_model, spm_model, dictionary, dict_langs,
                                           model_rows)
+        grow_vocab.check_new_langs(base, added)
+        if add_pieces is not None:
+            read_pieces_file(add_pieces)
 
     pairs = (parse_pairs(lang_pairs, allow_non_nllb_langs, added) if lang_pairs
              else discover_pairs(raw_dir, allow_non_nllb_langs, added))
@@ -146,10 +149,7 @@ def prepare(raw_dir: Path, dest: Path, *, lang_pairs: Optional[str] = None,
                         for line in read_lines(pair.raw(raw_dir, split, lang))]
             pieces, origin = grow_vocab.pieces_to_add(base, add_pieces, train_pieces, new_text,
                                                       work, seed)
-            model, growth = grow_vocab.grow(base, added, pieces, origin, work, padding_factor)
-            log(f"growing the model's {base.rows} rows: {len(growth.langs)} language codes "
-                f"({', '.join(growth.langs) or 'none'}), {len(growth.pieces)} pieces "
-                f"(of {len(pieces)} candidates), {len(growth.padding)} padding entries")
+            model, growth = grow_vocab.grow(base, added, pieces, origin, work)
         try:
             sp = spm.SentencePieceProcessor(model_file=str(model))
         except (OSError, RuntimeError) as e:
@@ -166,6 +166,11 @@ def prepare(raw_dir: Path, dest: Path, *, lang_pairs: Optional[str] = None,
             log(f"encoded {split} {pair.name}: {n} lines")
 
         if growth is not None:
+            grow_vocab.complete(growth, encoded_train, padding_factor)
+            log(f"growing the model's {base.rows} rows: {len(growth.langs)} language codes "
+                f"({', '.join(growth.langs) or 'none'}), {len(growth.pieces)} new pieces, "
+                f"{len(growth.listed)} pieces of the model's SentencePiece model not yet in "
+                f"its dictionary, {len(growth.padding)} padding entries")
             dict_lines = growth.dictionary_lines()
             grow_vocab.write_outputs(growth, model, tmp)
         else:

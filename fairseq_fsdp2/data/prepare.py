@@ -167,10 +167,10 @@ def prepare(raw_dir: Path, dest: Path, *, lang_pairs: Optional[str] = None,
 
         if growth is not None:
             grow_vocab.complete(growth, encoded_train, padding_factor)
-            log(f"growing the model's {base.rows} rows: {len(growth.langs)} language codes "
-                f"({', '.join(growth.langs) or 'none'}), {len(growth.pieces)} new pieces, "
-                f"{len(growth.listed)} pieces of the model's SentencePiece model not yet in "
-                f"its dictionary, {len(growth.padding)} padding entries")
+            log(f"growing the model's {base.rows} rows by new language codes: "
+                f"{', '.join(growth.langs) or 'none'}; new pieces: {len(growth.pieces)}; "
+                f"pieces of the model's SentencePiece model not yet in its dictionary: "
+                f"{len(growth.listed)}; padding entries: {len(growth.padding)}")
             dict_lines = growth.dictionary_lines()
             grow_vocab.write_outputs(growth, model, tmp)
         else:

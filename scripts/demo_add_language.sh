@@ -52,7 +52,7 @@ train "$out/train_base.log" --data "$out/data_base" --save-dir "$out/pretrained"
   --log-format simple
 pretrained="$out/pretrained/checkpoint_last_consolidated.pt"
 
-step 3 "add lat_Latn and Latin pieces to its vocabulary (scripts/prepare_data.sh --add-langs --train-pieces)"
+step 3 "add lat_Latn and Latin pieces to its vocabulary (prepare_data.sh --add-langs --train-pieces)"
 bash "$root/scripts/prepare_data.sh" --numbers "$out/raw_lat" --lang-pairs eng_Latn-lat_Latn \
   --n-train 4000 --n-valid 200 --n-test 200 > /dev/null 2> >(quiet)
 bash "$root/scripts/prepare_data.sh" "$out/raw_lat" "$out/data_lat" \
@@ -75,7 +75,7 @@ train "$out/train_lat.log" --data "$out/data_lat" --pretrained "$pretrained" \
   --log-format simple --init-new-langs-from lat_Latn=fra_Latn
 
 ckpt="$out/checkpoints/checkpoint_last_consolidated.pt"
-step 5 "stock fairseq-generate (no --user-dir) on $(basename "$ckpt"), test split, eng_Latn -> lat_Latn"
+step 5 "stock fairseq-generate (no --user-dir) on $(basename "$ckpt"), eng_Latn -> lat_Latn"
 "$root/.venv/bin/fairseq-generate" "$out/data_lat" --path "$ckpt" \
   --task translation_multi_simple_epoch --lang-pairs eng_Latn-lat_Latn \
   --langs "$(cat "$out/data_lat/langs.txt")" --source-lang eng_Latn --target-lang lat_Latn \
@@ -99,6 +99,7 @@ print(f"[demo] {len(rows)} test sentences, sacrebleu: {bleu[1] if bleu else 'no 
 print("[demo] examples (source | reference | model):")
 for i in sorted(rows)[:6]:
     r = rows[i]
-    print(f"[demo]   {r['S'].replace('__eng_Latn__ ', '')}  |  {r.get('T', '')}  |  {r.get('D', '')}")
+    source = r["S"].replace("__eng_Latn__ ", "")
+    print(f"[demo]   {source}  |  {r.get('T', '')}  |  {r.get('D', '')}")
 EOF
 echo "[demo] done in $((SECONDS - start)) s; outputs under $out"

@@ -143,6 +143,7 @@ def test_loaded_rows_pretrained_bit_for_bit_and_new_as_stated(grown):
         if row != lat:
             assert ((loaded[row].double() - mean).abs() <= mean.abs() * U32).all(), row
     assert torch.equal(loaded, grown.initial)  # the offline growth the stock run starts from
+    assert "model built on the meta device" in grown.outputs["loaded"]  # no full copy
     lines = [line for line in grown.outputs["loaded"].splitlines() if "grew the shared" in line]
     assert len(lines) == 1 and f"from {OLD_ROWS} to {ROWS} rows" in lines[0] and \
         "__lat_Latn__ from the row of __eng_Latn__; 4 as the mean of the 56 pretrained rows" \

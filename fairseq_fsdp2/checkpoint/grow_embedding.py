@@ -21,7 +21,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -183,15 +183,16 @@ class GrownWeights(Mapping):
 
 
 def grown(full: Mapping, own_rows: int, symbols: Sequence[str], source: str, sources: dict,
-          known: Optional[tuple[str, list[str]]], data_dir: Optional[str]
-          ) -> tuple[Mapping, Optional[str]]:
+          known: Optional[Callable[[], Optional[tuple[str, list[str]]]]],
+          data_dir: Optional[str]) -> tuple[Mapping, Optional[str]]:
     """``full`` (rank 0's weights of ``source``) for a model of ``own_rows`` embedding rows:
     unchanged if they fit, else grown, with the one line saying how. CheckpointError if the
-    dictionary cannot extend the checkpoint's rows."""
+    dictionary cannot extend the checkpoint's rows. ``known``: finds the checkpoint's own
+    dictionary (checkpoint_dictionary), called only if the embedding grows."""
     rows = full[FAIRSEQ_EMBEDDING[0]].shape[0] if FAIRSEQ_EMBEDDING[0] in full else own_rows
     if rows == own_rows:
         return full, None
-    problem = dictionary_problem(symbols, rows, source, known, data_dir)
+    problem = dictionary_problem(symbols, rows, source, known() if known else None, data_dir)
     if problem:
         raise CheckpointError(problem)
     plan = plan_rows(symbols, rows, sources)

@@ -4,10 +4,11 @@
 
 The dictionary written keeps the model's rows exactly where they are (its first rows are the
 model's: from ``--hf-model DIR``, or ``--dict`` [+ the NLLB-200 languages with ``--dict-langs
-nllb200``] up to ``--model-rows``), then the new ``__xxx_Latn__`` tokens, then the new pieces (and
-pieces of the model's SentencePiece model that the new training text uses and a dictionary
-built from other text lacked), then fairseq's padding (``madeupwordNNNN``, to a multiple of ``--padding-factor``, as
-fairseq-preprocess pads a dictionary it builds). The new pieces go into a copy of the model's
+nllb200``] up to ``--model-rows``), then the new ``__xxx_Latn__`` tokens, then the new pieces
+(and pieces of the model's SentencePiece model that the new training text uses and a
+dictionary built from other text lacked), then fairseq's padding (``madeupwordNNNN``, to a
+multiple of ``--padding-factor``, as fairseq-preprocess pads a dictionary it builds). The new
+pieces go into a copy of the model's
 SentencePiece model (spm_model.py), which encodes the data and becomes DEST/spm.model. With
 ``--hf-model`` the model's tokenizer files are grown alike into DEST/hf_tokenizer
 (hf/tokenizer_files.py), for the export back to Hugging Face.
@@ -53,7 +54,8 @@ class BaseVocabulary:
 
 @dataclass
 class Growth:
-    """What is added after the model's rows: language codes, pieces, padding."""
+    """What is added after the model's rows: language codes, pieces, the model's pieces its
+    dictionary lacked, padding."""
     base: BaseVocabulary
     langs: list[str]
     pieces: list[str] = field(default_factory=list)

@@ -212,15 +212,17 @@ class TrainerCheckpoints:
         embedding grown when the dictionary has more entries (grow_embedding.py)."""
         shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
         symbols = self.task.source_dictionary.symbols
-        known = None
+        known = None  # the checkpoint's own dictionary, looked for if the embedding grows
         if hf_nllb.is_hf_source(filename):  # its tokenizer's rows checked here
             full = hf_nllb.open_checked(filename, self.cfg.model, shapes, symbols)
         else:
             full = read_full_model(filename)
-            known = checkpoint_dictionary(filename, read_checkpoint_file(filename).get("cfg"))
+            known = lambda: checkpoint_dictionary(  # noqa: E731
+                filename, read_checkpoint_file(filename).get("cfg"))
         full, grown = grow_embedding(
             full, shapes[hf_nllb.FAIRSEQ_EMBEDDING[0]][0], symbols, filename,
-            new_lang_sources(self.cfg.distributed_training.init_new_langs_from), known,
+            new_lang_sources(getattr(self.cfg.distributed_training, "init_new_langs_from",
+                                     None)), known,
             (getattr(self.cfg.task, "data", None) or "").split(os.pathsep)[0] or None)
         if grown:
             logger.info(grown)
@@ -230,8 +232,9 @@ class TrainerCheckpoints:
         """--finetune-from-model of a fairseq checkpoint with fewer embedding rows than the
         dictionary has entries (more rows: refused, one line)."""
         source = self.cfg.checkpoint.finetune_from_model
-        if not (reset_optimizer and source and os.path.abspath(source) ==
-                os.path.abspath(filename) and getattr(self.cfg.model, "share_all_embeddings", False)):
+        if not (reset_optimizer and source and
+                os.path.abspath(source) == os.path.abspath(filename) and
+                getattr(self.cfg.model, "share_all_embeddings", False)):
             return False
         shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
         rows = more_rows(shapes, saved)

@@ -26,13 +26,16 @@ def main(argv=None) -> int:
                         "model directory to write; it must not exist or be empty)")
     parser.add_argument("--format", choices=("fairseq", "hf"), default="fairseq",
                         help="fairseq: one stock fairseq checkpoint file; hf: a Hugging Face "
-                        "NLLB model directory (config.json, model.safetensors) that "
+                        "NLLB model directory (config.json, model.safetensors, and the "
+                        "tokenizer files of DATA/hf_tokenizer when the data has them) that "
                         "transformers' M2M100ForConditionalGeneration.from_pretrained loads")
     parser.add_argument("--ema", action="store_true",
                         help="export the EMA of a --store-ema run as the model (fairseq or "
                         "--format hf); CHECKPOINT may also be a stock fairseq checkpoint with one")
-    parser.add_argument("--data", help="legacy FSDP shards: the data directory, if it is no "
-                        "longer where the checkpoint's cfg says (to build the model)")
+    parser.add_argument("--data", help="the data directory, if it is no longer where the "
+                        "checkpoint's cfg says: legacy FSDP shards build the model from it; "
+                        "--format hf takes the tokenizer files from its hf_tokenizer folder "
+                        "(written by scripts/prepare_data.sh --hf-model)")
     args = parser.parse_args(argv)
     if os.path.abspath(args.out) == os.path.abspath(args.checkpoint):
         print("fairseq_fsdp2: error: OUT must differ from CHECKPOINT", file=sys.stderr)

@@ -7,7 +7,9 @@ The options live in fairseq's ``distributed_training`` group (a subclass of fair
 the class.
 """
 
+import re
 from dataclasses import dataclass, field
+from typing import Optional
 
 from fairseq.dataclass.configs import DistributedTrainingConfig
 from fairseq.dataclass.constants import DDP_BACKEND_CHOICES, ChoiceEnum
@@ -94,6 +96,44 @@ class FSDP2DistributedTrainingConfig(DistributedTrainingConfig):
         metadata={"help": "FSDP2: accepted for older command lines; the tied-gradient buffer "
                           "is now on unless --fsdp2-no-tied-grad-buffer"},
     )
+    init_new_langs_from: Optional[str] = field(
+        default=None,
+        metadata={"help": "FSDP2, --finetune-from-model into a dictionary with more entries "
+                          "than the model's embedding rows (new languages or pieces added by "
+                          "scripts/prepare_data.sh --add-langs/--add-pieces): the rows of the new "
+                          "language codes start as a copy of this language's row (e.g. "
+                          "eng_Latn), or, per language, NEW=FROM,... (xxx_Latn=fra_Latn,"
+                          "yyy_Cyrl=rus_Cyrl). Every other new row starts as the mean of the "
+                          "pretrained rows; the pretrained rows are kept as they are"},
+    )
+
+
+#: the plugin's own keys of the distributed_training group (stock fairseq has none of them)
+PLUGIN_OPTIONS = frozenset(FSDP2DistributedTrainingConfig.__dataclass_fields__) - frozenset(
+    DistributedTrainingConfig.__dataclass_fields__)
+
+_LANG_CODE = re.compile(r"^[a-z]{3}_[A-Z][a-z]{3}$")
+#: the key of new_lang_sources for "every new language"
+EVERY_NEW_LANG = "*"
+
+
+def new_lang_sources(spec: Optional[str]) -> dict[str, str]:
+    """--init-new-langs-from as {new language or EVERY_NEW_LANG: language whose row it copies};
+    OptionError if malformed."""
+    sources: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in (spec or "").split(","))):
+        new, _, source = item.rpartition("=")
+        new = new or EVERY_NEW_LANG
+        for code in (new, source):
+            if code != EVERY_NEW_LANG and not _LANG_CODE.match(code):
+                raise OptionError(f"--init-new-langs-from: {code!r} is not a language code like "
+                                  f"eng_Latn (expected LANG, or NEW=LANG,...)")
+        if new in sources or (new == EVERY_NEW_LANG and sources) or \
+                EVERY_NEW_LANG in sources:
+            raise OptionError(f"--init-new-langs-from {spec}: name one language for all new "
+                              f"ones, or NEW=LANG once per new language")
+        sources[new] = source
+    return sources
 
 
 def tied_grad_buffer_on(dt) -> bool:
@@ -139,6 +179,7 @@ def validate(dt: FSDP2DistributedTrainingConfig, *, min_params_to_wrap: int, fp1
     if dt.bf16_adam_stats and optimizer != "adam":
         raise OptionError(f"--bf16-adam-stats keeps Adam's moments: it needs --optimizer adam, "
                           f"got --optimizer {optimizer}")
+    new_lang_sources(getattr(dt, "init_new_langs_from", None))
     breakdown = dt.fsdp2_memory_breakdown
     if breakdown < 0:
         raise OptionError(f"--fsdp2-memory-breakdown must be >= 0 (an update number; 0: off), "

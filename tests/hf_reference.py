@@ -10,8 +10,10 @@ test-only transformers on its path (never in the pytest process or the fairseq r
         - ``logits`` of ``src`` (left-padded with 1) / ``prev`` (decoder input) token ids;
         - greedy ``generate`` of each ``gen_src`` sentence (forced first token: the target
           language, as NLLB does): its tokens;
-        - the tokenizer's ids of ``texts`` (source side, ``src_lang``) and its whole
-          vocabulary (token -> id), when it has one.
+        - the tokenizer's ids of ``texts`` (source side, ``src_lang``; and of each language's
+          ``texts_by_lang``), its whole vocabulary (token -> id) and the ``generated`` tokens
+          decoded to text, when MODEL_DIR has a tokenizer (tokenizer.json);
+        - the config's ``vocab_size``.
 """
 import json
 import shutil
@@ -37,6 +39,12 @@ def compute(model, tokenizer, request: dict) -> dict:
         tokenizer.src_lang = request["src_lang"]
         result["text_ids"] = [tokenizer(t).input_ids for t in request["texts"]]
         result["vocab"] = tokenizer.get_vocab()
+        result["decoded"] = [tokenizer.decode(ids, skip_special_tokens=True)
+                             for ids in result["generated"]]
+        result["texts_by_lang"] = {}
+        for lang, texts in request.get("texts_by_lang", {}).items():
+            tokenizer.src_lang = lang
+            result["texts_by_lang"][lang] = [tokenizer(t).input_ids for t in texts]
     return result
 
 
@@ -61,10 +69,12 @@ def make(spm_model: str, out: Path, request: dict) -> dict:
 
 
 def check(model_dir: Path, request: dict) -> dict:
-    from transformers import M2M100ForConditionalGeneration
+    from transformers import AutoTokenizer, M2M100ForConditionalGeneration
 
     model = M2M100ForConditionalGeneration.from_pretrained(model_dir).eval()
-    return compute(model, None, request)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir) \
+        if (model_dir / "tokenizer.json").is_file() else None
+    return dict(compute(model, tokenizer, request), vocab_size=model.config.vocab_size)
 
 
 if __name__ == "__main__":

@@ -71,12 +71,26 @@ def files(corpus, tmp_path_factory):
     (bart / "config.json").write_text(json.dumps(
         {**config, "model_type": "bart", "architectures": ["BartForConditionalGeneration"]}))
     (root / "no-model").mkdir()
+    # the good checkpoint as a stock file with 3 embedding rows more than the data's dictionary
+    # has entries, and with 3 fewer, beside a dictionary.txt of its own in another order
+    stock = torch.load(consolidate(str(good), str(root / "stock.pt")), weights_only=True)
+    weight = stock["model"]["encoder.embed_tokens.weight"]
+    wider, narrow = root / "wider.pt", root / "narrow" / "checkpoint.pt"
+    for path, rows in ((wider, torch.cat([weight, weight[:3]])), (narrow, weight[:-3])):
+        path.parent.mkdir(exist_ok=True)
+        torch.save({**stock, "model": {**stock["model"], **{
+            k: rows for k in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
+                              "decoder.output_projection.weight")}}}, path)
+    lines = (corpus / "dict.src.txt").read_text().splitlines()
+    lines[0], lines[1] = lines[1], lines[0]
+    (narrow.parent / "dict.txt").write_text("\n".join(lines) + "\n")
     return {"good": good, "missing_shard": missing_shard / "checkpoint_last.pt",
             "shard_dir": missing_shard / shards.relative_to(save), "text": text,
             "truncated": truncated, "stranger": stranger, "absent": root / "absent.pt",
             "hf": hf, "hf_bart": bart, "no_model": root / "no-model",
             "plain_file": plain_file, "corpus": corpus,
-            "short_shard": short_shard / "checkpoint_last.pt", "short_shard_file": shard}
+            "short_shard": short_shard / "checkpoint_last.pt", "short_shard_file": shard,
+            "wider": wider, "narrow": narrow, "narrow_dict": narrow.parent / "dict.txt"}
 
 
 # docs/errors.md row -> cases: (ranks (0: one process, not under torchrun), extra flags (may name
@@ -180,6 +194,16 @@ CATALOGUE = {
         (1, ["--restore-file", "{good}", "--encoder-ffn-embed-dim", "48"],
          "{good} does not fit this model: encoder.layers.0.fc1.bias checkpoint (64,) vs "
          "model (48,)")],
+    "`--finetune-from-model` of a model whose embedding has more rows than the dictionary "
+    "has entries": [
+        (2, ["--finetune-from-model", "{wider}"], "the dictionary has 88 entries, fewer than the "
+         "91 rows of the embedding of {wider}: a dictionary for fine-tuning begins with the "
+         "model's rows, in its order")],
+    "a dictionary that puts the rows of a smaller `--finetune-from-model` model in another "
+    "order": [
+        (2, ["--finetune-from-model", "{narrow}"], "dictionary entry 4 is '{first}', but row 4 "
+         "of {narrow} is '{second}' (its dictionary {narrow_dict}): a dictionary for "
+         "fine-tuning keeps the model's rows in their order")],
     "a `--save-dir` the ranks do not share (each node its own directory)": [
         (2, ["--save-dir", "{save}-rank{{rank}}"],  # as two nodes with local directories
          "--save-dir is not the same directory on every rank: rank 1 (host ")],
@@ -200,7 +224,10 @@ CASES = [(row, i, *case, *([] if len(case) == 4 else ["fairseq_cli.train"]))
 def test_bad_input_stops_with_one_line_and_writes_nothing(files, tmp_path, monkeypatch, row, i,
                                                           ranks, flags, message, module):
     save = tmp_path / "ckpt"
-    fill = {"save": str(save), **{k: str(v) for k, v in files.items()}}
+    first, second = [line.split()[0] for line in
+                     (files["corpus"] / "dict.src.txt").read_text().splitlines()[:2]]
+    fill = {"save": str(save), "first": first, "second": second,
+            **{k: str(v) for k, v in files.items()}}
     flags = [f.format(**fill) for f in flags]
     message = message.format(**fill)
     before = {p: p.read_bytes() for p in files.values() if p.is_file()}

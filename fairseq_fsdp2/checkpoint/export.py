@@ -20,7 +20,9 @@ import torch.distributed.checkpoint as dcp
 
 from ..errors import CheckpointError
 from ..models.nllb import NLLB_SIZES
+from ..options import PLUGIN_OPTIONS
 from ..hf import nllb_weights as hf_nllb
+from ..hf.tokenizer_files import DATA_SUBDIR as TOKENIZER_SUBDIR
 from . import legacy_fairscale, sharded
 from .safe_load import read_checkpoint_file
 
@@ -38,9 +40,11 @@ def consolidate(checkpoint: str, out: str, data: str | None = None,
     ``<name>-shard<rank>.pt`` files (or ``<name>.pt`` for all of them); ``data`` replaces the
     data directory in a legacy save's cfg (the model is built from it to find tied weights).
     ``out_format`` "hf": ``out`` is a Hugging Face model directory, and ``checkpoint`` may
-    also be a consolidated (stock) fairseq checkpoint. The EMA of a --store-ema run is written
-    where fairseq keeps it (extra_state); ``ema``: the EMA's weights are the exported model
-    instead (``checkpoint`` may then be a stock fairseq checkpoint too)."""
+    also be a consolidated (stock) fairseq checkpoint; the tokenizer files come from the data
+    directory (``data``, or the one in the checkpoint's cfg) when it has them. The EMA of a
+    --store-ema run is written where fairseq keeps it (extra_state); ``ema``: the EMA's weights
+    are the exported model instead (``checkpoint`` may then be a stock fairseq checkpoint
+    too)."""
     legacy = legacy_fairscale.shard_files(checkpoint)
     if legacy and ema:
         raise CheckpointError("--ema: legacy FSDP shards hold no EMA the plugin can read")
@@ -72,8 +76,19 @@ def consolidate(checkpoint: str, out: str, data: str | None = None,
         model_cfg = cfg.get("model") if isinstance(cfg, dict) else None
         if not isinstance(model_cfg, dict):
             raise CheckpointError(f"{checkpoint} has no model config (cfg.model)")
-        return hf_nllb.export(model, model_cfg, out)
+        return hf_nllb.export(model, model_cfg, out, tokenizer_dir(cfg, data))
     return _write(state, model, out)
+
+
+def tokenizer_dir(cfg, data: str | None) -> str | None:
+    """DATA/hf_tokenizer of the data the checkpoint was trained on (``data``, else its cfg's
+    task.data), if data preparation wrote one (--hf-model)."""
+    task = cfg.get("task") if isinstance(cfg, dict) else None
+    data = data or (task.get("data") if isinstance(task, dict) else None)
+    if not isinstance(data, str) or not data:
+        return None
+    path = os.path.join(data.split(os.pathsep)[0], TOKENIZER_SUBDIR)
+    return path if os.path.isdir(path) else None
 
 
 def _write(state: dict, model: dict, out: str) -> str:
@@ -99,6 +114,13 @@ def read_with_full_weights(read, path, *args, **kwargs) -> dict:
         state["model"] = _fsdp2_model(path, state)
         state = _with_ema(state, full_ema(path, state))  # where a stock checkpoint holds it
     return state
+
+
+def read_full_model(checkpoint: str) -> dict:
+    """The full model weights of a checkpoint file: a sharded FSDP2 one (read from its shard
+    directory, in this process) or a stock one (memory-mapped)."""
+    state = read_checkpoint_file(checkpoint)
+    return _fsdp2_model(checkpoint, state) if "fsdp2" in state else state["model"]
 
 
 def _fsdp2_model(checkpoint: str, state: dict) -> dict:
@@ -159,7 +181,8 @@ def _stock_cfg(cfg):
     cfg = _plain(cfg)
     if not isinstance(cfg, dict) or not isinstance(cfg.get("distributed_training"), dict):
         return cfg
-    dt = {k: v for k, v in cfg["distributed_training"].items() if not k.startswith("fsdp2_")}
+    dt = {k: v for k, v in cfg["distributed_training"].items()
+          if not k.startswith("fsdp2_") and k not in PLUGIN_OPTIONS}
     if dt.get("ddp_backend") in ("fsdp2", "fully_sharded"):
         dt["ddp_backend"] = "pytorch_ddp"
     if dt.get("use_sharded_state"):

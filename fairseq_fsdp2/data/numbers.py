@@ -11,7 +11,10 @@ Each example is a number in one of a few phrase templates ("the number forty-two
 no agreement with a noun, so every sentence is grammatical. Spelling conventions: English
 without "and" ("one hundred five"), French traditional spelling (hyphens below one hundred only,
 "vingt et un", "quatre-vingts", "deux cents"), German in one word with "einhundert"/"eintausend",
-Spanish standard ("veintiuno", "ciento uno", "quinientos").
+Spanish standard ("veintiuno", "ciento uno", "quinientos"). Latin (``lat_Latn``, a language
+NLLB-200 does not have: scripts/demo_add_language.sh adds it to a model) in the classical forms
+("duodeviginti" 18, "undeviginti" 19, likewise 28-29 ... 88-89; "nonaginta octo" 98, "ducenti",
+"mille", "duo milia", "tria milia"), "nihil" for zero.
 
 ``python -m fairseq_fsdp2.data.numbers RAW_DIR`` writes the raw layout that
 ``fairseq_fsdp2.data.prepare`` reads.
@@ -141,8 +144,43 @@ def spanish(n: int) -> str:
     return head + (f" {_spanish_below_1000(rest)}" if rest else "")
 
 
+# --- Latin ---------------------------------------------------------------------------------
+_LA_SMALL = ("nihil unus duo tres quattuor quinque sex septem octo novem decem undecim duodecim "
+             "tredecim quattuordecim quindecim sedecim septendecim").split()
+_LA_TENS = ("- decem viginti triginta quadraginta quinquaginta sexaginta septuaginta octoginta "
+            "nonaginta").split()
+_LA_HUNDREDS = ("- centum ducenti trecenti quadringenti quingenti sescenti septingenti "
+                "octingenti nongenti").split()
+
+
+def _latin_below_100(n: int) -> str:
+    if n < 18:
+        return _LA_SMALL[n]
+    tens, unit = divmod(n, 10)
+    if unit in (8, 9) and tens < 9:  # two/one from the next ten: duodeviginti, undetriginta
+        return ("duode" if unit == 8 else "unde") + _LA_TENS[tens + 1]
+    return _LA_TENS[tens] + (f" {_LA_SMALL[unit]}" if unit else "")
+
+
+def latin(n: int) -> str:
+    if n == 0:
+        return "nihil"
+    thousands, rest = divmod(n, 1000)
+    hundreds, rest = divmod(rest, 100)
+    words = []
+    if thousands:  # neuter with milia: duo, tria
+        words.append("mille" if thousands == 1 else
+                     {2: "duo", 3: "tria"}.get(thousands, _LA_SMALL[thousands]) + " milia")
+    if hundreds:
+        words.append(_LA_HUNDREDS[hundreds])
+    if rest:
+        words.append(_latin_below_100(rest))
+    return " ".join(words)
+
+
 NUMBER_WORDS: dict[str, Callable[[int], str]] = {
     "eng_Latn": english, "fra_Latn": french, "deu_Latn": german, "spa_Latn": spanish,
+    "lat_Latn": latin,
 }
 
 # Phrase templates, aligned across languages by position; "{}" is the number in words.
@@ -151,6 +189,7 @@ TEMPLATES: dict[str, tuple[str, ...]] = {
     "fra_Latn": ("{}", "le nombre {}", "page {}"),
     "deu_Latn": ("{}", "die Zahl {}", "Seite {}"),
     "spa_Latn": ("{}", "el número {}", "página {}"),
+    "lat_Latn": ("{}", "numerus {}", "pagina {}"),
 }
 
 DEFAULT_PAIRS = (("eng_Latn", "fra_Latn"), ("eng_Latn", "deu_Latn"), ("eng_Latn", "spa_Latn"))

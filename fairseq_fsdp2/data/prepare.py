@@ -16,8 +16,11 @@ of the data (copies of the one shared dictionary), ``dict.txt`` (the same), ``sp
 ``langs.txt`` and ``lang_pairs.txt`` (comma-separated, ready for ``--langs`` and
 ``--lang-pairs``). With ``--hf-model DIR`` (Hugging Face NLLB weights) the SentencePiece model
 and the dictionary come from DIR: every token on the row HF's tokenizer gives it, the model's
-languages in its order (hf/vocab.py). Everything is written into a temporary directory
-next to DEST and renamed at the end, so a failed run leaves no half-written DEST behind.
+languages in its order (hf/vocab.py), and its tokenizer files go to DEST/hf_tokenizer (for the
+export back to Hugging Face). ``--add-langs``, ``--add-pieces`` and ``--train-pieces`` grow the
+vocabulary of a pretrained model (grow_vocab.py). Everything is written into a temporary
+directory next to DEST and renamed at the end, so a failed run leaves no half-written DEST
+behind.
 
 Errors are one line on stderr starting ``prepare_data: error:``, with a non-zero exit status.
 """
@@ -25,12 +28,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
-import re
 import shutil
 import tempfile
-from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -38,175 +37,14 @@ import sentencepiece as spm
 
 from ..hf.vocab import dictionary_for
 from ..models.nllb_languages import NLLB200_LANGS
+from . import grow_vocab
+from .dictionary import FAIRSEQ_SPECIALS, build_dictionary, read_dict_tokens
+from .inputs import SPLITS, Pair, PrepareError, discover_pairs, parse_pairs, plan_splits, \
+    read_lines
 from .preprocess import PreprocessError, run_preprocess
+from .spm_model import read_pieces_file, train_spm
 
-SPLITS = ("train", "valid", "test")
-LANG_CODE = re.compile(r"^[a-z]{3}_[A-Z][a-z]{3}$")
-RAW_NAME = re.compile(
-    r"^(?P<split>train|valid|test)\.(?P<src>[^.]+)-(?P<tgt>[^.]+)\.(?P<lang>[^.]+)$")
-FAIRSEQ_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
-
-
-
-class PrepareError(Exception):
-    """An input problem, reported as one line without a traceback."""
-
-
-def lang_token(lang: str) -> str:
-    """The token translation_multi_simple_epoch uses for a language (its default
-    ``--lang-tok-style multilingual``)."""
-    return f"__{lang}__"
-
-
-@dataclass(frozen=True)
-class Pair:
-    src: str
-    tgt: str
-
-    @property
-    def name(self) -> str:
-        return f"{self.src}-{self.tgt}"
-
-    def raw(self, raw_dir: Path, split: str, lang: str) -> Path:
-        return raw_dir / f"{split}.{self.name}.{lang}"
-
-
-def check_lang(code: str, allow_non_nllb: bool, where: str) -> None:
-    if not LANG_CODE.match(code):
-        raise PrepareError(f"malformed language code {code!r} in {where}: expected an NLLB code "
-                           "like eng_Latn (ISO 639-3 + '_' + ISO 15924 script)")
-    if code not in NLLB200_LANGS and not allow_non_nllb:
-        raise PrepareError(f"unknown language code {code!r} in {where}: not one of the 202 "
-                           "NLLB-200 languages (use --allow-non-nllb-langs to accept it)")
-
-
-def discover_pairs(raw_dir: Path, allow_non_nllb: bool) -> list[Pair]:
-    """Language pairs named by the ``{split}.{src}-{tgt}.{lang}`` files in raw_dir, sorted."""
-    pairs = set()
-    for path in sorted(raw_dir.iterdir()):
-        if path.name.startswith(".") or not path.name.startswith(tuple(s + "." for s in SPLITS)):
-            continue
-        m = RAW_NAME.match(path.name)
-        if not m:
-            raise PrepareError(f"unexpected file name {path.name!r} in {raw_dir}: expected "
-                               "{split}.{src}-{tgt}.{lang}, e.g. train.eng_Latn-fra_Latn.eng_Latn")
-        for key in ("src", "tgt", "lang"):
-            check_lang(m[key], allow_non_nllb, path.name)
-        if m["lang"] not in (m["src"], m["tgt"]):
-            raise PrepareError(f"{path.name}: language {m['lang']} is not a side of the pair "
-                               f"{m['src']}-{m['tgt']}")
-        pairs.add(Pair(m["src"], m["tgt"]))
-    return sorted(pairs, key=lambda p: p.name)
-
-
-def parse_pairs(spec: str, allow_non_nllb: bool) -> list[Pair]:
-    pairs = []
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        if item.count("-") != 1:
-            raise PrepareError(f"malformed language pair {item!r} in --lang-pairs: "
-                               "expected SRC-TGT")
-        src, tgt = item.split("-")
-        for code in (src, tgt):
-            check_lang(code, allow_non_nllb, "--lang-pairs")
-        pairs.append(Pair(src, tgt))
-    if not pairs:
-        raise PrepareError("--lang-pairs is empty")
-    return pairs
-
-
-def count_lines(path: Path) -> int:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return sum(1 for _ in f)
-    except UnicodeDecodeError as e:
-        raise PrepareError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-
-
-def plan_splits(raw_dir: Path, pairs: Sequence[Pair]) -> dict[tuple[Pair, str], int]:
-    """Check every pair's files: train present, valid/test both sides or neither, equal line
-    counts; returns {(pair, split): lines} for the splits present."""
-    plan = {}
-    for pair in pairs:
-        if pair.src == pair.tgt:
-            raise PrepareError(f"language pair {pair.name} has the same language on both sides")
-        for split in SPLITS:
-            paths = [pair.raw(raw_dir, split, lang) for lang in (pair.src, pair.tgt)]
-            present = [p.is_file() for p in paths]
-            if not any(present) and split != "train":
-                continue
-            for path, ok in zip(paths, present):
-                if not ok:
-                    raise PrepareError(f"missing file {path}")
-            counts = [count_lines(p) for p in paths]
-            if counts[0] != counts[1]:
-                raise PrepareError(f"line counts differ for {split} {pair.name}: "
-                                   f"{paths[0].name} has {counts[0]}, "
-                                   f"{paths[1].name} has {counts[1]}")
-            if split == "train" and counts[0] == 0:
-                raise PrepareError(f"{paths[0]} is empty")
-            plan[(pair, split)] = counts[0]
-    return plan
-
-
-def read_lines(path: Path) -> list[str]:
-    with open(path, encoding="utf-8") as f:
-        return [line.rstrip("\n") for line in f]
-
-
-def train_spm(texts: list[str], prefix: Path, vocab_size: int, model_type: str,
-              max_sentences: int, seed: int) -> Path:
-    """Train a SentencePiece model on (a deterministic sample of at most max_sentences of)
-    texts. One thread and no internal sampling or shuffling, so the same input gives the same
-    model."""
-    texts = [t for t in texts if t.strip()]
-    if len(texts) > max_sentences:
-        texts = random.Random(seed).sample(texts, max_sentences)
-    try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(texts), model_prefix=str(prefix), vocab_size=vocab_size,
-            model_type=model_type, character_coverage=1.0, num_threads=1,
-            input_sentence_size=0, shuffle_input_sentence=False, minloglevel=2)
-    except RuntimeError as e:  # e.g. "Vocabulary size too high (500). Please set it to ..."
-        reason = re.sub(r"^.*\] *", "", " ".join(str(e).split()))  # drop the C++ location
-        raise PrepareError(f"SentencePiece training failed: {reason}") from None
-    return prefix.with_suffix(".model")
-
-
-def read_dict_tokens(path: Path) -> list[str]:
-    """Tokens of a fairseq dictionary file (``token count [#fairseq:overwrite]`` lines)."""
-    tokens = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            fields = line.rstrip("\n").split(" ")
-            if fields[-1] == "#fairseq:overwrite":
-                fields = fields[:-1]
-            if len(fields) != 2 or not fields[0] or not fields[1].lstrip("-").isdigit():
-                raise PrepareError(f"{path}:{number}: not a fairseq dictionary line "
-                                   "('<token> <count>')")
-            tokens.append(fields[0])
-    return tokens
-
-
-def build_dictionary(encoded_train: Sequence[Path], append_langs: Sequence[str],
-                     base: Optional[Path]) -> list[str]:
-    """Lines of the shared dictionary: base's lines (or the encoded training pieces, most
-    frequent first, ties by piece), then ``__lang__ 1`` for each language not yet in it."""
-    if base is not None:
-        with open(base, encoding="utf-8") as f:
-            lines = [line.rstrip("\n") for line in f]
-        present = set(read_dict_tokens(base))
-    else:
-        counts = Counter()
-        for path in encoded_train:
-            with open(path, encoding="utf-8") as f:
-                for line in f:
-                    counts.update(line.split())
-        for token in (*FAIRSEQ_SPECIALS, *map(lang_token, append_langs)):
-            counts.pop(token, None)
-        lines = [f"{tok} {n}" for tok, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
-        present = set(counts)
-    lines += [f"{lang_token(lang)} 1" for lang in append_langs if lang_token(lang) not in present]
-    return lines
+__all__ = ["PrepareError", "main", "prepare", "read_lines", "train_spm"]
 
 
 def binarize(pair: Pair, splits: Sequence[str], encoded_dir: Path, dictionary: Path,
@@ -228,7 +66,9 @@ def prepare(raw_dir: Path, dest: Path, *, lang_pairs: Optional[str] = None,
             spm_type: str = "unigram", spm_max_sentences: int = 1_000_000,
             dictionary: Optional[Path] = None, dict_langs: str = "data",
             allow_non_nllb_langs: bool = False, workers: int = 1, overwrite: bool = False,
-            seed: int = 1, hf_model: Optional[Path] = None, log=print) -> Path:
+            seed: int = 1, hf_model: Optional[Path] = None, add_langs: Optional[str] = None,
+            add_pieces: Optional[Path] = None, train_pieces: int = 0,
+            model_rows: Optional[int] = None, padding_factor: int = 8, log=print) -> Path:
     """Validate, encode and binarize raw_dir into dest (see the module docstring)."""
     raw_dir, dest = Path(raw_dir), Path(dest)
     if not raw_dir.is_dir():
@@ -237,12 +77,20 @@ def prepare(raw_dir: Path, dest: Path, *, lang_pairs: Optional[str] = None,
         raise PrepareError(f"destination {dest} exists and is not a directory")
     if dest.is_dir() and any(dest.iterdir()) and not overwrite:
         raise PrepareError(f"destination {dest} exists and is not empty (use --overwrite)")
-    for name, path in (("--spm-model", spm_model), ("--dict", dictionary)):
+    for name, path in (("--spm-model", spm_model), ("--dict", dictionary),
+                       ("--add-pieces", add_pieces)):
         if path is not None and not Path(path).is_file():
             raise PrepareError(f"{name} file {path} does not exist")
     if dictionary is not None:
         read_dict_tokens(Path(dictionary))
-    hf_lines = None
+    if train_pieces < 0 or padding_factor < 1:
+        raise PrepareError("--train-pieces must be >= 0 and --padding-factor >= 1")
+    added = grow_vocab.parse_add_langs(add_langs)
+    growing = bool(added or add_pieces or train_pieces)
+    if model_rows is not None and (not growing or hf_model is not None):
+        raise PrepareError("--model-rows applies to growing a model given by --spm-model and "
+                           "--dict (with --add-langs, --add-pieces or --train-pieces)")
+    hf_lines, base = None, None
     if hf_model is not None:
         if spm_model is not None or dictionary is not None:
             raise PrepareError("--hf-model brings its own SentencePiece model and dictionary: "
@@ -251,9 +99,15 @@ def prepare(raw_dir: Path, dest: Path, *, lang_pairs: Optional[str] = None,
             spm_model, hf_lines, hf_langs = dictionary_for(Path(hf_model))
         except ValueError as e:
             raise PrepareError(f"--hf-model: {e}") from None
+    if growing:
+        base = grow_vocab.base_vocabulary(hf_model, spm_model, dictionary, dict_langs,
+                                          model_rows)
+        grow_vocab.check_new_langs(base, added)
+        if add_pieces is not None:
+            read_pieces_file(add_pieces)
 
-    pairs = (parse_pairs(lang_pairs, allow_non_nllb_langs) if lang_pairs
-             else discover_pairs(raw_dir, allow_non_nllb_langs))
+    pairs = (parse_pairs(lang_pairs, allow_non_nllb_langs, added) if lang_pairs
+             else discover_pairs(raw_dir, allow_non_nllb_langs, added))
     if not pairs:
         raise PrepareError(f"no {{split}}.{{src}}-{{tgt}}.{{lang}} files in {raw_dir}")
     plan = plan_splits(raw_dir, pairs)
@@ -262,16 +116,23 @@ def prepare(raw_dir: Path, dest: Path, *, lang_pairs: Optional[str] = None,
     append_langs = langs if dict_langs == "data" else \
         list(NLLB200_LANGS) + [lang for lang in langs if lang not in NLLB200_LANGS]
     if hf_lines is not None:
-        missing = [lang for lang in langs if lang not in hf_langs]
-        if missing:
-            raise PrepareError(f"language {missing[0]} is not in the tokenizer of {hf_model}")
         append_langs = hf_langs
+    if base is not None:
+        append_langs = base.langs + added
+    if hf_lines is not None or base is not None:
+        missing = [lang for lang in langs if lang not in append_langs]
+        if missing:
+            where = f"the tokenizer of {hf_model}" if hf_lines is not None else \
+                f"the dictionary {dictionary}"
+            raise PrepareError(f"language {missing[0]} is not in {where}: add it to the model "
+                               f"with --add-langs {missing[0]}")
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:
         work = tmp / "_work"
         (work / "encoded").mkdir(parents=True)
+        growth = None
         if spm_model is None:
             train_text = [line for (pair, split) in plan if split == "train"
                           for lang in (pair.src, pair.tgt)
@@ -282,6 +143,13 @@ def prepare(raw_dir: Path, dest: Path, *, lang_pairs: Optional[str] = None,
                               spm_max_sentences, seed)
         else:
             model = Path(spm_model)
+        if base is not None:
+            new_text = [line for (pair, split) in plan if split == "train"
+                        for lang in (pair.src, pair.tgt) if lang in added or not added
+                        for line in read_lines(pair.raw(raw_dir, split, lang))]
+            pieces, origin = grow_vocab.pieces_to_add(base, add_pieces, train_pieces, new_text,
+                                                      work, seed)
+            model, growth = grow_vocab.grow(base, added, pieces, origin, work)
         try:
             sp = spm.SentencePieceProcessor(model_file=str(model))
         except (OSError, RuntimeError) as e:
@@ -297,8 +165,19 @@ def prepare(raw_dir: Path, dest: Path, *, lang_pairs: Optional[str] = None,
                     encoded_train.append(out)
             log(f"encoded {split} {pair.name}: {n} lines")
 
-        dict_lines = hf_lines or build_dictionary(encoded_train, append_langs,
-                                                  Path(dictionary) if dictionary else None)
+        if growth is not None:
+            grow_vocab.complete(growth, encoded_train, padding_factor)
+            log(f"growing the model's {base.rows} rows by new language codes: "
+                f"{', '.join(growth.langs) or 'none'}; new pieces: {len(growth.pieces)}; "
+                f"pieces of the model's SentencePiece model not yet in its dictionary: "
+                f"{len(growth.listed)}; padding entries: {len(growth.padding)}")
+            dict_lines = growth.dictionary_lines()
+            grow_vocab.write_outputs(growth, model, tmp)
+        else:
+            dict_lines = hf_lines or build_dictionary(encoded_train, append_langs,
+                                                      Path(dictionary) if dictionary else None)
+            if hf_model is not None:
+                grow_vocab.copy_hf_tokenizer(Path(hf_model), model, tmp)
         dict_path = tmp / "dict.txt"
         dict_path.write_text("".join(line + "\n" for line in dict_lines), encoding="utf-8")
         log(f"dictionary: {len(dict_lines) + len(FAIRSEQ_SPECIALS)} entries "
@@ -357,6 +236,27 @@ def main(argv=None) -> None:
                         "sentencepiece.bpe.model, tokenizer files): encode with its "
                         "SentencePiece model and write the dictionary that puts every token "
                         "on the embedding row of its tokenizer, for --finetune-from-model DIR")
+    parser.add_argument("--add-langs", help="comma-separated language codes the model does not "
+                        "have (e.g. xxx_Latn,yyy_Cyrl): their __xxx_Latn__ tokens follow the "
+                        "model's rows in the dictionary, and the language pairs may use them "
+                        "(needs the model's vocabulary: --hf-model, or --spm-model and --dict)")
+    parser.add_argument("--add-pieces", type=Path, help="SentencePiece pieces to add, one a "
+                        "line ('piece' or 'piece score'; a SentencePiece .vocab file works): "
+                        "those the model's SentencePiece model lacks go into a copy of it "
+                        "(DEST/spm.model) and into the dictionary after the model's rows")
+    parser.add_argument("--train-pieces", type=int, default=0, metavar="N",
+                        help="train a SentencePiece model of N pieces (of the model's type) on "
+                        "the training text of the --add-langs languages (of all the data "
+                        "without --add-langs) and add its pieces that the model lacks, as "
+                        "--add-pieces does")
+    parser.add_argument("--model-rows", type=int,
+                        help="growing a fairseq model (--spm-model, --dict): its embedding "
+                        "rows, when the dictionary lists fewer (NLLB-200's dictionary.txt with "
+                        "its 202 languages has 256,203 entries, its checkpoints 256,206 rows): "
+                        "the rows in between stay the model's, the new entries come after")
+    parser.add_argument("--padding-factor", type=int, default=8,
+                        help="a grown dictionary is padded with madeupwordNNNN entries to a "
+                        "multiple of this many entries, as fairseq-preprocess pads (1: none)")
     parser.add_argument("--allow-non-nllb-langs", action="store_true",
                         help="accept well-formed codes that are not NLLB-200 languages")
     parser.add_argument("--workers", type=int, default=1, help="fairseq-preprocess workers")

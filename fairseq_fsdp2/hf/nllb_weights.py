@@ -13,7 +13,8 @@ only by HF's ``model.`` prefix and the embedding's aliases (HF: ``model.shared``
 Import: ``HFWeights`` is a read-only mapping from fairseq names to memory-mapped tensors of the
 safetensors file(s): nothing is read until the broadcast copies one tensor
 (``full_state.broadcast_full_model``), the shared embedding once. Export: ``export`` writes
-config.json, generation_config.json and model.safetensors.
+config.json, generation_config.json and model.safetensors, and the tokenizer files data
+preparation kept (tokenizer_files.py).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import torch
 
 from ..errors import CheckpointError
 from .safetensors_io import SafetensorsFile, write
+from .tokenizer_files import copy_tokenizer, largest_id
 from .vocab import CONFIG_FILE, dictionary_problem, read_config
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -168,10 +170,14 @@ def check_fits(weights: HFWeights, model_cfg, own_shapes: dict[str, tuple]) -> O
 
 def open_checked(path: str, model_cfg, own_shapes: dict[str, tuple],
                  symbols: list[str]) -> HFWeights:
-    """The weights of ``path``, checked against the model and its dictionary."""
+    """The weights of ``path``, checked against the model and its dictionary. An embedding
+    with fewer rows than the model's is accepted when the dictionary begins with its rows
+    (the caller grows it: checkpoint/grow_embedding.py)."""
     weights = HFWeights(path)
     rows = weights.shape(FAIRSEQ_EMBEDDING[0])[0]
-    problem = check_fits(weights, model_cfg, own_shapes) or \
+    own = {k: (rows, *v[1:]) if k in FAIRSEQ_EMBEDDING else v  # rows: the dictionary check
+           for k, v in own_shapes.items()}
+    problem = check_fits(weights, model_cfg, own) or \
         dictionary_problem(Path(path), symbols, rows)
     if problem:
         raise CheckpointError(problem)
@@ -238,9 +244,10 @@ def hf_tensors(model: dict) -> list[tuple[str, torch.Tensor]]:
     return pairs
 
 
-def export(model: dict, model_cfg: dict, out: str) -> str:
+def export(model: dict, model_cfg: dict, out: str, tokenizer: Optional[str] = None) -> str:
     """Write an HF model directory ``out`` (must not exist or be empty; written in a temporary
-    directory beside it and renamed, so a failure leaves nothing half-written)."""
+    directory beside it and renamed, so a failure leaves nothing half-written), with the
+    tokenizer files of the directory ``tokenizer`` if given (the data's DATA/hf_tokenizer)."""
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise CheckpointError(f"{out} exists and is not an empty directory")
     if FAIRSEQ_EMBEDDING[0] not in model:
@@ -249,6 +256,12 @@ def export(model: dict, model_cfg: dict, out: str) -> str:
     config = hf_config(model_cfg, embedding.shape[0])
     config["dtype"] = str(embedding.dtype).removeprefix("torch.")
     tensors = hf_tensors(model)
+    if tokenizer is not None:
+        largest = largest_id(Path(tokenizer))
+        if largest is not None and largest >= embedding.shape[0]:
+            raise CheckpointError(f"the tokenizer in {tokenizer} has ids up to {largest}, the "
+                                  f"model's embedding {embedding.shape[0]} rows: not this "
+                                  f"model's tokenizer")
     parent = os.path.dirname(os.path.abspath(out))
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
     try:
@@ -257,6 +270,8 @@ def export(model: dict, model_cfg: dict, out: str) -> str:
             with open(os.path.join(tmp, name), "w") as f:
                 json.dump(content, f, indent=2)
         write(os.path.join(tmp, WEIGHTS), tensors, metadata={"format": "pt"})
+        if tokenizer is not None:
+            copy_tokenizer(Path(tokenizer), Path(tmp))
         if os.path.isdir(out):
             os.rmdir(out)
         os.replace(tmp, out)

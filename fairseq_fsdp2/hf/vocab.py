@@ -110,9 +110,10 @@ def languages(expected: Sequence[Optional[str]]) -> list[str]:
 
 
 def dictionary_problem(source: Path, symbols: Sequence[str], rows: int) -> Optional[str]:
-    """Why a fairseq dictionary does not line up with an HF model's rows, or None."""
+    """Why a fairseq dictionary does not line up with an HF model's rows (its first ``rows``
+    entries: the model's own), or None."""
     fix = f"build the data with scripts/prepare_data.sh RAW DEST --hf-model {model_dir(source)}"
-    if len(symbols) != rows:
+    if len(symbols) < rows:  # more entries: a grown vocabulary (checkpoint/grow_embedding.py)
         return (f"the dictionary has {len(symbols)} entries and the model's embedding "
                 f"{rows} rows: {fix}")
     directory = model_dir(source)

@@ -21,11 +21,15 @@ from torch.distributed.tensor import DTensor
 
 from ..errors import CheckpointError, SaveFailed, first_line
 from ..checkpoint import sharded
+from ..checkpoint.export import read_full_model
 from ..checkpoint.full_state import broadcast_full_model
+from ..checkpoint.grow_embedding import checkpoint_dictionary, grown as grow_embedding, \
+    more_rows, smaller_dictionary
 from ..checkpoint.safe_load import python_numbers, read_checkpoint_file
 from ..checkpoint.shared_dir import check_shared
 from ..hf import nllb_weights as hf_nllb
 from ..memory.monitor import current_gb
+from ..options import new_lang_sources
 from ..optimizer.loss_scale import restore_scaler_counts, scaler_counts
 from . import resume
 
@@ -119,6 +123,11 @@ class TrainerCheckpoints:
             else:
                 saved = {k: tuple(v.shape) for k, v in state["model"].items()
                          if torch.is_tensor(v)}
+            if self._grows_embedding(filename, saved, reset_optimizer):  # bigger vocabulary
+                kept = {k: state.get(k) for k in ("optimizer_history", "extra_state")}
+                del state
+                self._load_pretrained(filename)
+                return self._reset_extra_state(kept)
             sharded.check_model_matches(self.model, saved, filename)
             kept = {k: state.get(k) for k in ("optimizer_history", "extra_state")}
             del state  # the weights: read again where needed (by rank 0 only, below)
@@ -204,12 +213,39 @@ class TrainerCheckpoints:
         return None
 
     def _pretrained_weights(self, filename):
-        """Rank 0: the full model's tensors by fairseq name, memory-mapped."""
-        if hf_nllb.is_hf_source(filename):
-            shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
-            return hf_nllb.open_checked(filename, self.cfg.model, shapes,
-                                        self.task.source_dictionary.symbols)
-        return read_checkpoint_file(filename)["model"]
+        """Rank 0: the full model's tensors by fairseq name, memory-mapped; the shared
+        embedding grown when the dictionary has more entries (grow_embedding.py)."""
+        shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+        symbols = self.task.source_dictionary.symbols
+        known = None  # the checkpoint's own dictionary, looked for if the embedding grows
+        if hf_nllb.is_hf_source(filename):  # its tokenizer's rows checked here
+            full = hf_nllb.open_checked(filename, self.cfg.model, shapes, symbols)
+        else:
+            full = read_full_model(filename)
+            known = lambda: checkpoint_dictionary(  # noqa: E731
+                filename, read_checkpoint_file(filename).get("cfg"))
+        full, grown = grow_embedding(
+            full, shapes[hf_nllb.FAIRSEQ_EMBEDDING[0]][0], symbols, filename,
+            new_lang_sources(getattr(self.cfg.distributed_training, "init_new_langs_from",
+                                     None)), known,
+            (getattr(self.cfg.task, "data", None) or "").split(os.pathsep)[0] or None)
+        if grown:
+            logger.info(grown)
+        return full
+
+    def _grows_embedding(self, filename, saved, reset_optimizer) -> bool:
+        """--finetune-from-model of a fairseq checkpoint with fewer embedding rows than the
+        dictionary has entries (more rows: refused, one line)."""
+        source = self.cfg.checkpoint.finetune_from_model
+        if not (reset_optimizer and source and
+                os.path.abspath(source) == os.path.abspath(filename) and
+                getattr(self.cfg.model, "share_all_embeddings", False)):
+            return False
+        shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+        rows = more_rows(shapes, saved)
+        if rows is not None and rows[0] > rows[1]:
+            raise CheckpointError(smaller_dictionary(rows[1], rows[0], filename))
+        return rows is not None
 
     def _load_sharded_model(self, module, state_dict, prefix, *_):
         if prefix or sharded.SHARDED not in state_dict:

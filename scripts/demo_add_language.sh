@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# The add-a-language demo (CPU, a few minutes on 2 cores): a language the pretrained model never
+# saw, added to its vocabulary, fine-tuned with FSDP2, translated into by stock fairseq-generate.
+#   1. set up .venv (scripts/setup.sh)
+#   2. the "pretrained" model: transformer_nllb_tiny trained on numbers in English, French and
+#      German (eng_Latn-fra_Latn, eng_Latn-deu_Latn) on 2 CPU ranks, 200 updates
+#   3. Latin (lat_Latn, not an NLLB-200 language either) added: scripts/prepare_data.sh with the
+#      model's SentencePiece model and dictionary, --add-langs lat_Latn and --train-pieces
+#      (Latin pieces the model's SentencePiece model lacks)
+#   4. fine-tune it on eng_Latn-lat_Latn (150 updates) from the pretrained checkpoint: the
+#      shared embedding grows on loading, __lat_Latn__'s row starting from __fra_Latn__'s
+#      (--init-new-langs-from lat_Latn=fra_Latn)
+#   5. stock fairseq-generate (no --user-dir): BLEU on held-out numbers, eng_Latn -> lat_Latn
+# Outputs under ${DEMO_OUTPUT:-demo_add_language_output}; logs there.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+out="${DEMO_OUTPUT:-$root/demo_add_language_output}"
+start=$SECONDS
+step() { echo "[demo] step $1/5: $2"; }
+quiet() { grep -v tensorboardX >&2 || true; }  # fairseq's import-time notice, not ours
+
+step 1 "environment (scripts/setup.sh)"
+bash "$root/scripts/setup.sh"
+py="$root/.venv/bin/python"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
+rm -rf "$out"
+mkdir -p "$out"
+show='/predicted per-rank memory/ { next }
+      / \| (train_inner|fairseq_fsdp2[._a-z]*) \| / { print "[demo]   " $0; next }
+      /^\[finetune_nllb\]|[Ee]rror|Traceback/ { print "[demo]   " $0 }'
+train() {  # scripts/finetune_nllb.sh on 2 CPU ranks; the lines worth watching, all in $1
+  local log="$1"; shift
+  if ! bash "$root/scripts/finetune_nllb.sh" --model-size tiny --cpu --nproc 2 \
+      --max-tokens 4000 --root-reshard always --seed 1 "$@" 2>&1 | tee "$log" \
+      | awk "$show"; then
+    echo "[demo] training failed; the end of $log:" >&2
+    tail -n 30 "$log" >&2
+    exit 1
+  fi
+}
+
+step 2 "the pretrained model: numbers in eng_Latn, fra_Latn, deu_Latn, 200 updates"
+bash "$root/scripts/prepare_data.sh" --numbers "$out/raw_base" \
+  --lang-pairs eng_Latn-fra_Latn,eng_Latn-deu_Latn --n-train 4000 --n-valid 200 --n-test 0 \
+  > /dev/null 2> >(quiet)
+bash "$root/scripts/prepare_data.sh" "$out/raw_base" "$out/data_base" --vocab-size 300 \
+  --quiet 2> >(quiet)
+# no validation, one save at the end: the numbers' epochs are a few updates long
+train "$out/train_base.log" --data "$out/data_base" --save-dir "$out/pretrained" \
+  --max-update 200 --lr 4e-3 --warmup-updates 30 --log-interval 100 \
+  -- --clip-norm 1.0 --disable-validation --save-interval 1000 --no-epoch-checkpoints \
+  --log-format simple
+pretrained="$out/pretrained/checkpoint_last_consolidated.pt"
+
+step 3 "add lat_Latn and Latin pieces to its vocabulary (prepare_data.sh --add-langs --train-pieces)"
+bash "$root/scripts/prepare_data.sh" --numbers "$out/raw_lat" --lang-pairs eng_Latn-lat_Latn \
+  --n-train 4000 --n-valid 200 --n-test 200 > /dev/null 2> >(quiet)
+bash "$root/scripts/prepare_data.sh" "$out/raw_lat" "$out/data_lat" \
+  --spm-model "$out/data_base/spm.model" --dict "$out/data_base/dict.txt" \
+  --add-langs lat_Latn --train-pieces 80 2> >(quiet) | grep -E "growing|dictionary:" \
+  | sed 's/^/[demo]   /'
+"$py" - "$out/data_base/spm.model" "$out/data_lat/spm.model" "$out/raw_lat" <<'EOF'
+import sentencepiece as spm, sys
+text = "septem milia quadringenti duodeviginti"
+for name, path in (("the pretrained model's", sys.argv[1]), ("grown", sys.argv[2])):
+    pieces = spm.SentencePieceProcessor(model_file=path).encode(text, out_type=str)
+    print(f"[demo]   {name} SentencePiece model: {text!r} -> {' '.join(pieces)}")
+EOF
+
+step 4 "fine-tune on eng_Latn-lat_Latn from the pretrained checkpoint, 2 CPU ranks, FSDP2"
+train "$out/train_lat.log" --data "$out/data_lat" --pretrained "$pretrained" \
+  --save-dir "$out/checkpoints" --max-update 150 --lr 3e-3 --warmup-updates 20 \
+  --log-interval 50 \
+  -- --clip-norm 1.0 --disable-validation --save-interval 1000 --no-epoch-checkpoints \
+  --log-format simple --init-new-langs-from lat_Latn=fra_Latn
+
+ckpt="$out/checkpoints/checkpoint_last_consolidated.pt"
+step 5 "stock fairseq-generate (no --user-dir) on $(basename "$ckpt"), eng_Latn -> lat_Latn"
+"$root/.venv/bin/fairseq-generate" "$out/data_lat" --path "$ckpt" \
+  --task translation_multi_simple_epoch --lang-pairs eng_Latn-lat_Latn \
+  --langs "$(cat "$out/data_lat/langs.txt")" --source-lang eng_Latn --target-lang lat_Latn \
+  --encoder-langtok src --decoder-langtok --gen-subset test --beam 5 --batch-size 128 \
+  --required-batch-size-multiple 1 --remove-bpe sentencepiece --scoring sacrebleu \
+  --cpu --num-workers 0 > "$out/generate.eng_Latn-lat_Latn.txt" 2> "$out/generate.log" || {
+  echo "[demo] fairseq-generate failed; the end of $out/generate.log:" >&2
+  tail -n 20 "$out/generate.log" >&2
+  exit 1
+}
+"$py" - "$out/generate.eng_Latn-lat_Latn.txt" <<'EOF'
+import re, sys
+text = open(sys.argv[1], encoding="utf-8").read()
+bleu = re.search(r"^Generate test with beam=\d+: (BLEU = [\d.]+.*)$", text, re.M)
+rows = {}
+for line in text.splitlines():
+    m = re.match(r"^([STD])-(\d+)\t(.*)$", line)
+    if m:
+        rows.setdefault(int(m[2]), {})[m[1]] = m[3].split("\t")[-1]
+print(f"[demo] {len(rows)} test sentences, sacrebleu: {bleu[1] if bleu else 'no score found'}")
+print("[demo] examples (source | reference | model):")
+for i in sorted(rows)[:6]:
+    r = rows[i]
+    source = r["S"].replace("__eng_Latn__ ", "")
+    print(f"[demo]   {source}  |  {r.get('T', '')}  |  {r.get('D', '')}")
+EOF
+echo "[demo] done in $((SECONDS - start)) s; outputs under $out"

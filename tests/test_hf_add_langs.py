@@ -1,0 +1,191 @@
+"""A language the model never saw, added to a Hugging Face NLLB model and exported back.
+
+The "hub" model is written by transformers itself (tests/hf_reference.py, as in
+test_hf_nllb.py) with a BPE SentencePiece model trained on English and French numbers only.
+``prepare(..., hf_model=HUB, add_langs="lat_Latn,xxx_Cyrl", train_pieces=N)`` grows its
+vocabulary for English -> Latin data: the dictionary keeps the hub's rows, then the two new
+language codes, the Latin pieces the hub's SentencePiece model lacks, fairseq's padding; the
+SentencePiece model and the tokenizer files (DEST/hf_tokenizer) are grown alike. A 2-rank
+FSDP2 fine-tune from the hub directory grows the embedding (checkpoint/grow_embedding.py);
+``consolidate --format hf`` writes a directory that transformers loads with the bigger
+vocab_size, whose AutoTokenizer splits Latin into the new pieces on the dictionary's rows, and
+whose greedy ``generate`` with the new language code forced first gives the fairseq model's
+greedy translations.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import sentencepiece as spm
+import torch
+
+from conftest import PLUGIN
+from launcher import finish_ranks, ok, start_ranks, train_inner
+from test_hf_nllb import (FIXTURE_DEPS, MAX_LEN, TINY, assert_logits_close,
+                          assert_same_greedy_choices, fairseq_logits, finish, greedy_gaps,
+                          reference)
+
+from fairseq_fsdp2.checkpoint.grow_embedding import is_lang_token
+from fairseq_fsdp2.consolidate import main as consolidate_main
+from fairseq_fsdp2.data import numbers
+from fairseq_fsdp2.data.grow_vocab import GROWTH_FILE
+from fairseq_fsdp2.data.prepare import prepare, read_lines, train_spm
+from fairseq_fsdp2.hf import vocab as hf_vocab
+
+PAIR = ("eng_Latn", "lat_Latn")
+NEW_LANGS = ("lat_Latn", "xxx_Cyrl")
+TRAIN_PIECES = 80
+UPDATES = 6
+
+
+def flags(data: Path) -> list[str]:
+    return ["--task", "translation_multi_simple_epoch", "--lang-pairs", "-".join(PAIR),
+            "--langs", (data / "langs.txt").read_text().strip(), "--encoder-langtok", "src",
+            "--decoder-langtok", "--arch", "transformer_nllb_tiny"]
+
+
+@pytest.fixture(scope="module")
+def grown(tmp_path_factory):
+    if not (FIXTURE_DEPS / "transformers").is_dir():
+        pytest.skip(f"no transformers in {FIXTURE_DEPS} for the reference side: run "
+                    "scripts/setup.sh")
+    root = tmp_path_factory.mktemp("hf_add_langs")
+    numbers.write_corpus(root / "hub_raw", [("eng_Latn", "fra_Latn")], n_train=600, n_valid=0,
+                         n_test=0, seed=2)
+    texts = [line for lang in ("eng_Latn", "fra_Latn")
+             for line in read_lines(root / "hub_raw" / f"train.eng_Latn-fra_Latn.{lang}")]
+    hub_spm = train_spm(texts, root / "spm", 100, "bpe", 100_000, seed=1)
+    request = {"src_lang": "eng_Latn", "tgt_lang": "fra_Latn", "seed": 1, "config": TINY,
+               "src": [[148, 10, 2]], "prev": [[2, 10]], "gen_src": [], "max_new_tokens": 1,
+               "texts": []}
+    (root / "request.json").write_text(json.dumps(request))
+    finish(reference("make", hub_spm, root / "hub", root / "request.json", root / "hub.json"))
+    hub = root / "hub"
+
+    numbers.write_corpus(root / "raw", [PAIR], n_train=800, n_valid=0, n_test=24, seed=3)
+    data = prepare(root / "raw", root / "data", hf_model=hub, add_langs=",".join(NEW_LANGS),
+                   train_pieces=TRAIN_PIECES, log=lambda *a: None)
+    save = root / "ckpt"
+    output = ok(finish_ranks(start_ranks(2, lambda rank: [
+        str(data), "--user-dir", PLUGIN, "--ddp-backend", "fsdp2", *flags(data),
+        "--finetune-from-model", str(hub), "--init-new-langs-from", "eng_Latn",
+        "--optimizer", "adam", "--adam-betas", "(0.9,0.98)", "--lr", "3e-3",
+        "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4", "--warmup-init-lr", "1e-7",
+        "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+        "--max-tokens", "2000", "--max-update", str(UPDATES), "--cpu", "--num-workers", "0",
+        "--log-format", "json", "--log-interval", "1", "--seed", "1", "--no-progress-bar",
+        "--disable-validation", "--save-dir", str(save), "--no-epoch-checkpoints"]),
+        timeout=300))
+    out = root / "hf"
+    assert consolidate_main([str(save / "checkpoint_last.pt"), str(out), "--format", "hf"]) == 0
+    return SimpleNamespace(root=root, hub=hub, data=data, output=output, out=out,
+                           checkpoint=save / "checkpoint_last_consolidated.pt")
+
+
+def task_and_model(data: Path, checkpoint: Path):
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    args = [str(data), "--user-dir", PLUGIN, *flags(data), "--source-lang", PAIR[0],
+            "--target-lang", PAIR[1], "--cpu"]
+    cfg = convert_namespace_to_omegaconf(
+        options.parse_args_and_arch(options.get_training_parser(), args))
+    cfg.generation.beam, cfg.generation.max_len_a, cfg.generation.max_len_b = 1, 0, MAX_LEN
+    task = tasks.setup_task(cfg.task)
+    model = task.build_model(cfg.model).eval()
+    model.load_state_dict(torch.load(checkpoint, weights_only=True)["model"], strict=True)
+    return cfg, task, model
+
+
+def test_dictionary_and_sentencepiece_model_are_grown(grown):
+    lines = (grown.data / "dict.txt").read_text(encoding="utf-8").splitlines()
+    tokens = ["<s>", "<pad>", "</s>", "<unk>"] + [line.split(" ")[0] for line in lines]
+    hub_rows = json.loads((grown.hub / "config.json").read_text())["vocab_size"]
+    expected = hf_vocab.expected_rows(grown.hub, hub_rows)
+    assert all(t == e for t, e in zip(tokens, expected) if e is not None)  # the hub's rows
+    record = json.loads((grown.data / GROWTH_FILE).read_text(encoding="utf-8"))
+    assert record["model_rows"] == hub_rows and record["rows"] == len(tokens)
+    assert tokens[hub_rows:hub_rows + 2] == [f"__{c}__" for c in NEW_LANGS]
+    pieces = list(record["pieces"])
+    assert pieces and tokens[hub_rows + 2:hub_rows + 2 + len(pieces)] == pieces
+    assert len(tokens) % 8 == 0 and all(t.startswith("madeupword")  # fairseq's padding
+                                        for t in tokens[hub_rows + 2 + len(pieces):])
+    # the copy of the SentencePiece model has the pieces, after the hub's, with BPE scores
+    # below all of the hub's (its merges first); Latin now takes fewer pieces
+    old = spm.SentencePieceProcessor(model_file=str(grown.hub / "sentencepiece.bpe.model"))
+    new = spm.SentencePieceProcessor(model_file=str(grown.data / "spm.model"))
+    n = old.get_piece_size()
+    assert [new.id_to_piece(i) for i in range(n)] == [old.id_to_piece(i) for i in range(n)]
+    assert [new.id_to_piece(i) for i in range(n, new.get_piece_size())] == pieces
+    assert max(new.get_score(i) for i in range(n, new.get_piece_size())) < \
+        min(old.get_score(i) for i in range(3, n))
+    latin = read_lines(grown.root / "raw" / "train.eng_Latn-lat_Latn.lat_Latn")
+    before = sum(len(p) for p in old.encode(latin, out_type=str))
+    after = sum(len(p) for p in new.encode(latin, out_type=str))
+    assert after < 0.7 * before, (before, after)
+    assert "grew the shared embedding" in grown.output
+    assert len(train_inner(grown.output)) == UPDATES
+
+
+def test_export_loads_in_transformers_tokenizes_the_new_language_and_generates_alike(
+        grown, tmp_path):
+    cfg, task, model = task_and_model(grown.data, grown.checkpoint)
+    d = task.source_dictionary
+    sp = spm.SentencePieceProcessor(model_file=str(grown.data / "spm.model"))
+    raw = grown.root / "raw"
+    english = read_lines(raw / "test.eng_Latn-lat_Latn.eng_Latn")
+    latin = read_lines(raw / "test.eng_Latn-lat_Latn.lat_Latn")
+
+    def fairseq_ids(lang: str, text: str) -> list[int]:
+        return [d.index(f"__{lang}__")] + [d.index(p) for p in sp.encode(text, out_type=str)]
+
+    sources = [fairseq_ids(PAIR[0], t) + [d.eos()] for t in english]
+    lat = d.index("__lat_Latn__")
+    width = max(len(sources[0]), len(sources[1]))  # left-padded, as fairseq batches them
+    request = {"src_lang": PAIR[1], "texts": latin, "texts_by_lang": {PAIR[0]: english},
+               "src": [[d.pad()] * (width - len(s)) + s for s in sources[:2]],
+               "prev": [[2, lat, 10], [2, lat, 11]],
+               "gen_src": sources, "tgt_lang_id": lat, "max_new_tokens": MAX_LEN + 1}
+    (tmp_path / "request.json").write_text(json.dumps(request))
+    finish(reference("check", grown.out, tmp_path / "request.json", tmp_path / "result.json"))
+    result = json.loads((tmp_path / "result.json").read_text())
+
+    assert result["vocab_size"] == len(d) > json.loads(
+        (grown.hub / "config.json").read_text())["vocab_size"]
+    vocab = result["vocab"]
+    assert vocab["lat_Latn"] == lat and vocab["xxx_Cyrl"] == d.index("__xxx_Cyrl__")
+    record = json.loads((grown.data / GROWTH_FILE).read_text(encoding="utf-8"))
+    assert all(vocab[piece] == row == d.index(piece) for piece, row in record["pieces"].items())
+    # the tokenizer splits Latin as fairseq's data is split, new pieces included
+    new_rows = set(record["pieces"].values())
+    used = set()
+    for text, ids in zip(latin, result["text_ids"]):
+        assert ids == fairseq_ids(PAIR[1], text) + [d.eos()] and d.unk() not in ids
+        used |= new_rows & set(ids)
+    assert len(used) > 5
+    assert result["texts_by_lang"][PAIR[0]] == sources
+
+    assert_logits_close(fairseq_logits(model, request), result["logits"])
+    generator = task.build_generator([model], cfg.generation)
+    same, distinct = 0, set()
+    for i, (src, theirs) in enumerate(zip(sources, result["generated"])):
+        sample = {"net_input": {"src_tokens": torch.tensor([src]),
+                                "src_lengths": torch.tensor([len(src)])}}
+        ours = task.inference_step(generator, [model], sample)[0][0]["tokens"].tolist()
+        # HF: decoder start </s>, the forced new language, tokens; fairseq: the language (its
+        # prefix), tokens, </s> (forced after MAX_LEN tokens)
+        assert theirs[0] == 2 and ours[0] == theirs[1] == lat
+        n = len(ours) if len(ours) <= MAX_LEN else MAX_LEN
+        assert_same_greedy_choices(theirs[1:n + 1], ours[:n], greedy_gaps(model, src, ours), i)
+        same += theirs[1:n + 1] == ours[:n]
+        distinct.add(tuple(ours))
+        # and its text is SentencePiece's decoding of those pieces (without the tokenizer's
+        # special tokens: fairseq's 4, the language codes, <mask>)
+        pieces = [d[t] for t in theirs
+                  if t >= d.nspecial and not is_lang_token(d[t]) and d[t] != "<mask>"]
+        assert result["decoded"][i] == sp.decode(pieces), (pieces, result["decoded"][i])
+    print(f"{same} of {len(sources)} greedy translations alike, {len(distinct)} distinct")
+    assert same > len(sources) // 2 and len(distinct) > 5  # they depend on the source

@@ -86,14 +86,6 @@ def check_fairseq_flags(cfg) -> None:
                           "holds only its own shards under FSDP2")
     if cfg.checkpoint.write_checkpoints_asynchronously:
         raise OptionError(ASYNC_WRITE_REFUSED)
-    layerdrop = [f"--{side}-layerdrop" for side in ("encoder", "decoder")
-                 if (getattr(cfg.model, f"{side}_layerdrop", 0) or 0) > 0]
-    if layerdrop and dt.distributed_world_size > 1:
-        raise OptionError(f"{' and '.join(layerdrop)} cannot be combined with --ddp-backend "
-                          f"fsdp2 on more than one rank: each rank draws the layers it drops "
-                          f"from its own random state (its batches' dropout has advanced it "
-                          f"differently), while FSDP2 gathers a layer's shards on every rank "
-                          f"together")
 
 
 def data_error(error: BaseException, data: Optional[str]) -> Optional[str]:

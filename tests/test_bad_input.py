@@ -108,9 +108,6 @@ CATALOGUE = {
         (1, ["--store-ema"], "--store-ema cannot be combined with --ddp-backend fsdp2: "
                              "fairseq's EMA copies the model and saves the copy from rank 0 "
                              "alone")],
-    "`--write-checkpoints-asynchronously` with fsdp2": [
-        (1, ["--write-checkpoints-asynchronously"], "--write-checkpoints-asynchronously cannot be "
-         "combined with --ddp-backend fsdp2: fairseq's asynchronous writer (iopath) leaves")],
     "`--distributed-world-size 2` in one process (no torchrun) on CPU": [
         (0, ["--distributed-world-size", "2"], "--distributed-world-size 2 needs one process per "
                                                 "rank and there is CPU (--cpu or no GPU): start "

@@ -20,13 +20,6 @@ from ..checkpoint.safe_load import read_checkpoint_file
 from ..errors import CheckpointError, OptionError, first_line
 from ..hf.nllb_weights import INDEX, WEIGHTS, is_hf_source
 
-# measured with iopath 0.1.10 and torch 2.13: stock fairseq's files are unreadable the same way
-ASYNC_WRITE_REFUSED = (
-    "--write-checkpoints-asynchronously cannot be combined with --ddp-backend fsdp2: fairseq's "
-    "asynchronous writer (iopath) leaves checkpoint files that torch cannot read back (\"failed "
-    "finding central directory\"), so neither a resume nor the consolidated export could use them")
-
-
 def check_launch(cfg, *, launched_per_rank: bool, on_cuda: bool) -> None:
     """Raise OptionError for a run that cannot start as asked."""
     world = cfg.distributed_training.distributed_world_size
@@ -84,8 +77,6 @@ def check_fairseq_flags(cfg) -> None:
         raise OptionError("--store-ema cannot be combined with --ddp-backend fsdp2: fairseq's "
                           "EMA copies the model and saves the copy from rank 0 alone, which "
                           "holds only its own shards under FSDP2")
-    if cfg.checkpoint.write_checkpoints_asynchronously:
-        raise OptionError(ASYNC_WRITE_REFUSED)
 
 
 def data_error(error: BaseException, data: Optional[str]) -> Optional[str]:

@@ -1,0 +1,185 @@
+"""Sharded checkpoints written in the background (fairseq's ``--write-checkpoints-asynchronously``).
+
+What: at a save point every rank copies its shards of the model and optimizer state to CPU
+memory (the staging copy of DCP's ``async_save``) and training goes on while a background thread
+writes that copy to ``<shard dir>.tmp``. When every rank's shards are written, rank 0's thread
+renames the directory and only then writes the fairseq checkpoint files that name it (the first
+file, then the others fairseq copies it to, such as ``checkpoint_last.pt``), each under a
+temporary name and renamed.
+
+So a save stays atomic: no file ever names an incomplete directory (DCP's coordinator writes
+``.metadata`` after gathering every rank's write results, and the rename follows), and a kill
+during the background write leaves the previous checkpoint files and their shards as they were.
+The next save point and the end of training wait for a pending save first (and report its
+failure as one line); a save point never starts a second write, so at most one staging copy is
+held: as large as the rank's shards of the checkpoint (12 bytes per parameter / ranks with fp32
+Adam), from the save point until the write is done.
+
+Why a process group of its own (gloo, created at the first save): the background save runs
+collectives (its plan, the gathering of write results); on the training group they would
+interleave with FSDP2's all-gathers and reduce-scatters from the main thread. DCP's
+asynchronous save needs a CPU backend for them in any case (NCCL runs FSDP2 on GPUs).
+
+Why fairseq's own flag is switched off (``launch/run.py``): fairseq would write its file with
+iopath's asynchronous writer (which leaves files torch cannot read back), would skip the copy to
+``checkpoint_last.pt``, and would not train at all without iopath installed.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from datetime import timedelta
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from fairseq import checkpoint_utils
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ..errors import SaveFailed, first_line
+from . import sharded
+
+logger = logging.getLogger(__name__)
+
+_enabled = False
+_pending: Optional["PendingSave"] = None  # this process's save in flight
+_group: Optional[dist.ProcessGroup] = None  # the background saves' collectives
+
+
+def enable() -> None:
+    """Checkpoints of this run are written in the background (launch/run.py, on each rank)."""
+    global _enabled
+    _enabled = True
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def describe_failure(error: BaseException) -> str:
+    """What a failed save reports; for DCP's CheckpointException, which wraps each rank's
+    failure, the first failing rank's error."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (cause, _) = min(error.failures.items())
+        return f"{first_line(cause, 300)} (rank {rank}'s write)"
+    return first_line(error, 300)
+
+
+def save_failed(update: int, save_dir: str, error: BaseException) -> SaveFailed:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return SaveFailed(f"saving the checkpoint of update {update} to {save_dir} failed on rank "
+                      f"{rank}: {describe_failure(error)}; the previous checkpoints are intact")
+
+
+class PendingSave:
+    """One save in flight: DCP writing this rank's staged shards, and on rank 0 the fairseq
+    files that will name them once they are complete."""
+
+    def __init__(self, update: int, save_dir: str, rel: str, shards: Future, is_writer: bool):
+        self.update, self.save_dir, self.rel = update, save_dir, rel
+        self._shards, self._is_writer = shards, is_writer
+        self._started = time.monotonic()
+        self._lock = threading.Lock()
+        self._files: list[tuple[str, dict]] = []  # (file name, state) in fairseq's order
+        self._named = threading.Event()  # fairseq named a file, or the save point is over
+        self._written = False
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._finish, daemon=True,
+                                        name=f"fsdp2-checkpoint-{update}")
+        self._thread.start()
+
+    def add_file(self, filename: str, state: dict) -> None:
+        """Rank 0: fairseq's checkpoint file for this save, written when the shards are."""
+        with self._lock:
+            self._files.append((filename, state))
+        self._named.set()
+
+    def defer_copy(self, src: str, dst: str) -> bool:
+        """fairseq copies its first file to the others (checkpoint_last.pt, ...): if ``src`` is
+        this save's file and not yet written, write ``dst`` with it (True); else copy now."""
+        with self._lock:
+            if self._written:
+                return False
+            for name, state in self._files:
+                if os.path.abspath(name) == os.path.abspath(src):
+                    self._files.append((dst, state))
+                    return True
+        return False
+
+    def wait(self) -> None:
+        """The save, whole: shards and files written (fairseq names no more files for it).
+        Raises SaveFailed if any part failed, on any rank."""
+        self._named.set()
+        self._thread.join()
+        if self._error is not None:
+            raise save_failed(self.update, self.save_dir, self._error) from self._error
+
+    def _finish(self) -> None:
+        try:
+            self._shards.result()
+            if not self._is_writer:
+                return
+            final = os.path.join(self.save_dir, self.rel)
+            os.rename(final + ".tmp", final)
+            self._named.wait()
+            with self._lock:
+                for name, state in self._files:
+                    checkpoint_utils.torch_persistent_save(state, name)  # .tmp, then renamed
+                self._written = True
+                names = [os.path.basename(name) for name, _ in self._files]
+            if names:
+                logger.info(f"wrote {', '.join(names)} (update {self.update}) in the "
+                            f"background, {time.monotonic() - self._started:.1f} s after the "
+                            f"save point")
+        except BaseException as e:  # noqa: BLE001 - reported by wait(), in the main thread
+            self._error = e
+
+
+def start(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], save_dir: str,
+          update: int, timeout: Optional[timedelta] = None) -> str:
+    """Every rank, after ``wait_pending``: stage this rank's shards (the blocking part: a copy
+    in CPU memory) and start writing them in the background; returns the shard directory
+    (relative to save_dir) that the files will name. ``timeout``: the background collectives'
+    (--heartbeat-timeout), set when the first save creates their process group."""
+    global _group, _pending
+    if _pending is not None:
+        raise RuntimeError("a background save is still pending: wait_pending() first")
+    if _group is None:  # every rank is here (a save point): a collective call
+        _group = dist.new_group(backend="gloo", timeout=timeout)
+    rel = sharded.new_shard_dir(update)
+    shards = dcp.async_save(sharded.state_to_save(model, optimizer),
+                            checkpoint_id=os.path.join(save_dir, rel) + ".tmp",
+                            process_group=_group)
+    _pending = PendingSave(update, save_dir, rel, shards, is_writer=dist.get_rank() == 0)
+    return rel
+
+
+def add_file(filename: str, state: dict) -> None:
+    """Rank 0: a fairseq checkpoint file of the pending save, written (a snapshot of
+    ``state``, taken now) once its shards are complete."""
+    if _pending is None:
+        raise RuntimeError("a checkpoint file without a pending background save")
+    _pending.add_file(filename, copy.deepcopy(state))
+
+
+def wait_pending() -> None:
+    """Wait for this process's pending save, if any (next save point, end of training)."""
+    global _pending
+    pending, _pending = _pending, None
+    if pending is not None:
+        pending.wait()
+
+
+def copy_when_written(copy_file: Callable[..., bool], src_path: str, dst_path: str,
+                      overwrite: bool = False) -> bool:
+    """fairseq's PathManager.copy (integration/registration.py): a copy of a file the pending
+    save has not written yet is written with it instead."""
+    if _pending is not None and _pending.defer_copy(src_path, dst_path):
+        return True
+    return copy_file(src_path, dst_path, overwrite=overwrite)

@@ -297,9 +297,9 @@ def test_kill_during_a_background_write_leaves_the_previous_checkpoint_usable(sa
     results = run_ranks(2, lambda r: args(save_dir, "--update-freq", 2, ASYNC),
                         module="kill_in_save", env=env)
     assert all(r.returncode != 0 for r in results)
+    # the probe's line: the main thread had finished update 5 (trained on meanwhile)
     assert "KILLED_IN_BACKGROUND_SAVE after update 5" in results[0].output, \
         results[0].output[-3000:]
-    assert train_inner(results[0].output)[-1]["num_updates"] == "5"  # trained meanwhile
     assert sorted(p.name for p in save_dir.glob("*.pt")) == ["checkpoint_1_2.pt",
                                                              "checkpoint_last.pt"]
     assert [d for d in os.listdir(save_dir / "fsdp2_shards") if d.endswith(".tmp")]

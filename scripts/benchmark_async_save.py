@@ -1,0 +1,256 @@
+#!/usr/bin/env python
+"""Synchronous vs asynchronous checkpoints, side by side in one run (not a test): the same
+2-rank FSDP2 training, saving every few updates, once without and once with
+`--write-checkpoints-asynchronously`.
+
+The model: the NLLB layout (256,206-word shared vocabulary, pre-norm, sinusoidal positions) with
+few, narrow layers, so that the checkpoint (fp32 weights and Adam's two moments) is large
+against an update's compute: its synchronous save takes seconds. Measured on every rank and at
+every save point: the time the training loop is blocked in fairseq's save_checkpoint (for the
+asynchronous run: of which waiting for the previous save to finish), the resident memory right
+before and right after that call (the staging copy is alive after it), and the rank's shards
+of the checkpoint (the bytes the staging copy holds); on rank 0 how long each background write
+took; each run's per-update losses, per-rank peak memory (mem_peak_gb_max) and wall time.
+
+Replaces the section between the markers in docs/benchmarks.md.
+
+  .venv/bin/python scripts/benchmark_async_save.py      # about 5 minutes on 2 cores
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchmark as bench  # noqa: E402  (scripts/benchmark.py: corpus, launch, report helpers)
+
+BEGIN, END = "<!-- async-save: begin -->", "<!-- async-save: end -->"
+GIB = 2 ** 30
+ASYNC = "--write-checkpoints-asynchronously"
+BACKGROUND = re.compile(r"wrote .* \(update (\d+)\) in the background, ([\d.]+) s after")
+
+
+def model_flags(layers: int, dim: int) -> list[str]:
+    return ["--arch", "transformer_nllb_600m", "--encoder-layers", str(layers),
+            "--decoder-layers", str(layers), "--encoder-embed-dim", str(dim),
+            "--decoder-embed-dim", str(dim), "--encoder-ffn-embed-dim", str(4 * dim),
+            "--decoder-ffn-embed-dim", str(4 * dim), "--encoder-attention-heads",
+            str(dim // 64), "--decoder-attention-heads", str(dim // 64)]
+
+
+def training(data: Path, save_dir: Path, args, background: bool) -> list[str]:
+    flags = bench.train_args(data, model_flags(args.layers, args.dim),
+                             ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1"],
+                             args.max_tokens, args.updates, save_dir)
+    flags = [f for f in flags if f != "--no-save"]
+    return flags + ["--save-interval-updates", str(args.save_every), "--no-epoch-checkpoints",
+                    "--fsdp2-no-consolidate"] + ([ASYNC] if background else [])
+
+
+def worker(argv: list[str]) -> None:
+    """fairseq-train, with fairseq's save_checkpoint, the plugin's wait for a pending save and
+    each update timed; one ``SAVE {json}`` / ``WAIT {json}`` / ``STEP {json}`` line each."""
+    import fairseq_fsdp2  # noqa: F401  (also loaded by --user-dir)
+    import fairseq.checkpoint_utils as checkpoint_utils
+    import fairseq_cli.train
+    from fairseq.trainer import Trainer
+    from fairseq_fsdp2.checkpoint import async_save, sharded
+
+    rank = int(os.environ["RANK"])
+    waited = {"s": 0.0}
+    real_save, real_wait = checkpoint_utils.save_checkpoint, async_save.wait_pending
+
+    def wait_pending():
+        t0 = time.perf_counter()
+        real_wait()
+        waited["s"] += time.perf_counter() - t0
+        print("WAIT " + json.dumps({"rank": rank, "s": time.perf_counter() - t0}), flush=True)
+
+    def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
+        waited["s"], rss, t0 = 0.0, rss_gb(), time.perf_counter()
+        out = real_save(cfg, trainer, epoch_itr, val_loss)
+        blocked, after = time.perf_counter() - t0, rss_gb()
+        state = sharded.state_to_save(trainer.model, trainer.optimizer.optimizer)
+        print("SAVE " + json.dumps({
+            "rank": rank, "update": trainer.get_num_updates(), "blocked_s": blocked,
+            "waited_s": waited["s"], "rss_before_gb": rss, "rss_after_gb": after,
+            "shards_gb": tensor_bytes(state) / GIB}), flush=True)
+        return out
+
+    real_step = Trainer.train_step
+
+    def train_step(self, samples, raise_oom=False):
+        t0 = time.perf_counter()
+        out = real_step(self, samples, raise_oom)
+        print("STEP " + json.dumps({"rank": rank, "update": self.get_num_updates(),
+                                    "s": time.perf_counter() - t0}), flush=True)
+        return out
+
+    Trainer.train_step = train_step  # FSDP2Trainer calls it through super()
+    checkpoint_utils.save_checkpoint = save_checkpoint
+    async_save.wait_pending = wait_pending
+    sys.argv = ["fairseq-train", *argv]
+    fairseq_cli.train.cli_main()
+
+
+def rss_gb() -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 2 ** 20
+    return 0.0
+
+
+def tensor_bytes(value) -> int:
+    """This rank's bytes of the tensors in ``value`` (a DTensor: its local shard)."""
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(v) for v in value)
+    local = getattr(value, "to_local", None)
+    tensor = local() if local else value
+    return tensor.numel() * tensor.element_size() if hasattr(tensor, "element_size") else 0
+
+
+def run(name: str, data: Path, work: Path, args, background: bool) -> dict:
+    save_dir = work / name
+    if save_dir.exists():
+        import shutil
+        shutil.rmtree(save_dir)
+    flags = training(data, save_dir, args, background)
+    t0 = time.time()
+    results = bench.launch(args.ranks, lambda rank: flags, args.timeout)
+    wall = time.time() - t0
+    if any(rc != 0 for rc, _ in results):
+        rc, out = next((rc, out) for rc, out in results if rc != 0)
+        raise SystemExit(f"{name}: a rank exited {rc}:\n{out[-4000:]}")
+    lines = {kind: [json.loads(line[5:]) for _, out in results for line in out.splitlines()
+                    if line.startswith(kind + " ")] for kind in ("SAVE", "STEP")}
+    # the end of training's wait: each rank's last WAIT line, after its last save
+    end_waits = [float(json.loads(out[out.rindex("WAIT ") + 5:].splitlines()[0])["s"])
+                 for _, out in results if "WAIT " in out[out.rindex("SAVE "):]]
+    records = bench.parse_records(results[0][1])
+    return {"name": name, "wall_s": round(wall, 1), "saves": lines["SAVE"],
+            "end_wait_s": end_waits,
+            "background_s": [float(m.group(2)) for m in BACKGROUND.finditer(results[0][1])],
+            "losses": {r["num_updates"]: [r["loss"], r["gnorm"]] for r in records},
+            "peak_gb": max(float(r["mem_peak_gb_max"]) for r in records
+                           if int(r["num_updates"]) >= 2),
+            "seconds_per_update": statistics.median(s["s"] for s in lines["STEP"]
+                                                    if s["update"] >= 2)}
+
+
+def summary(row: dict) -> dict:
+    saves = row["saves"]
+    return {"blocked": statistics.median(s["blocked_s"] for s in saves),
+            "blocked_max": max(s["blocked_s"] for s in saves),
+            "waited_max": max(s["waited_s"] for s in saves),
+            "rss_growth": statistics.median(s["rss_after_gb"] - s["rss_before_gb"]
+                                            for s in saves),
+            "shards": statistics.median(s["shards_gb"] for s in saves),
+            "count": len({s["update"] for s in saves})}
+
+
+def report(rows: dict, info: dict, setup: dict) -> str:
+    sync, background = summary(rows["sync"]), summary(rows["async"])
+    share = background["blocked"] / sync["blocked"]
+    same = rows["sync"]["losses"] == rows["async"]["losses"]
+    bg = rows["async"]["background_s"]
+    lines = [
+        BEGIN, "## Asynchronous checkpoints: training blocked per save", "",
+        f"Command: `{setup['command']}` ({setup['date']}). Machine: {info['cores']} cores "
+        f"({info['cpu']}), {info['memory_gib']} GiB; Python {info['python']}, torch "
+        f"{info['torch']}, fairseq-fixed {info['fairseq']}; gloo, fp32, Adam; load average "
+        f"{setup['load']:.1f} at the start. The NLLB layout (256,206-word shared vocabulary) with "
+        f"{setup['layers']}+{setup['layers']} layers of width {setup['dim']} "
+        f"({setup['params'] / 1e6:.1f}M parameters), {setup['ranks']} ranks, FSDP2 per-layer, "
+        f"`--max-tokens {setup['max_tokens']}` per rank, {setup['updates']} updates, a save "
+        f"every {setup['save_every']} (`--save-interval-updates`, {sync['count']} saves), the "
+        f"same run without and with `{ASYNC}`, one after the other. Blocked: the time each "
+        f"rank's training loop spent in fairseq's save_checkpoint (median over ranks and saves); "
+        f"memory: resident memory (VmRSS) right after that call minus right before it, median.",
+        "", "| | synchronous | asynchronous |", "|---|---:|---:|",
+        f"| training blocked per save, median (max) | {sync['blocked']:.2f} s "
+        f"({sync['blocked_max']:.2f}) | {background['blocked']:.2f} s "
+        f"({background['blocked_max']:.2f}) |",
+        f"| of which waiting for the previous save (max) | - | {background['waited_max']:.2f} s |",
+        f"| background write, save point to files written (rank 0, median) | - | "
+        f"{statistics.median(bg):.2f} s |" if bg else "| background write | - | - |",
+        f"| waiting for the last save at the end of training (max over ranks) | - | "
+        f"{max(rows['async']['end_wait_s'] or [0]):.2f} s |",
+        f"| resident memory right after the save call minus before, per rank | "
+        f"{sync['rss_growth']:+.3f} GiB | {background['rss_growth']:+.3f} GiB |",
+        f"| the rank's shards of the checkpoint (what the staging copy holds) | "
+        f"{sync['shards']:.3f} GiB | {background['shards']:.3f} GiB |",
+        f"| per-rank peak over the run (mem_peak_gb_max, from update 2) | "
+        f"{rows['sync']['peak_gb']:.3f} GiB | {rows['async']['peak_gb']:.3f} GiB |",
+        f"| seconds per update, median | {rows['sync']['seconds_per_update']:.2f} | "
+        f"{rows['async']['seconds_per_update']:.2f} |",
+        f"| the run, wall clock | {rows['sync']['wall_s']:.0f} s | {rows['async']['wall_s']:.0f} s |",
+        "",
+        f"Blocked asynchronously: {100 * share:.1f}% of the synchronous save (goal: at most "
+        f"10%: {'met' if share <= 0.10 else 'NOT met'}). Per-update losses and gradient norms "
+        f"of the two runs: {'identical' if same else 'DIFFERENT'} ({len(rows['sync']['losses'])} "
+        f"updates). The asynchronous run holds the staging copy from a save point until its "
+        f"write ends, so its peak includes one copy of the rank's shards; the write's CPU time "
+        f"competes with training on these 2 cores.", "", END]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", default="/tmp/fairseq_fsdp2_benchmark_async")
+    parser.add_argument("--out", default=str(bench.ROOT / "docs" / "benchmarks.md"))
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--updates", type=int, default=8)
+    parser.add_argument("--save-every", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--report-only", metavar="JSON", default=None,
+                        help="rewrite the report from a saved benchmark_async_save.json")
+    return parser
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2:])
+        return 0
+    args = build_parser().parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    if args.report_only:
+        saved = json.loads(Path(args.report_only).read_text())
+    else:
+        from fairseq_fsdp2.estimator import from_args
+        sentences = args.updates * args.ranks * (args.max_tokens // bench.SEQ) + 400
+        data = bench.make_corpus(work / f"corpus{sentences}", sentences)
+        model = from_args.build_meta_model(from_args.parse(training(data, work / "x", args,
+                                                                    False)))
+        setup = {**{k: getattr(args, k) for k in ("ranks", "layers", "dim", "max_tokens",
+                                                   "updates", "save_every")},
+                 "params": sum(p.numel() for p in model.parameters()),
+                 "load": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d"),
+                 "command": shlex.join([".venv/bin/python", "scripts/benchmark_async_save.py",
+                                        *sys.argv[1:]])}
+        del model
+        bench.__file__ = str(Path(__file__).resolve())  # the workers run this script's --worker
+        rows = {name: run(name, data, work, args, name == "async")
+                for name in ("sync", "async")}
+        saved = {"rows": rows, "setup": setup}
+        (work / "benchmark_async_save.json").write_text(json.dumps(saved, indent=1))
+    text = report(saved["rows"], bench.versions(), saved["setup"])
+    bench.replace_section(Path(args.out), BEGIN, END, text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -201,10 +201,11 @@ def start(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], save_dir
         shards = dcp.async_save(sharded.state_to_save(model, optimizer),
                                 checkpoint_id=os.path.join(save_dir, rel) + ".tmp",
                                 process_group=_group, async_stager=ShardStager())
-    except BaseException as e:  # e.g. staging ran out of memory: the pending save has failed
+    except BaseException as e:  # e.g. staging ran out of memory: reported now, as a sync save
         failed: Future = Future()
         failed.set_exception(e)
-        shards = failed
+        _pending.shards_done(failed)
+        raise
     shards.add_done_callback(_pending.shards_done)
     return rel
 

@@ -64,8 +64,14 @@ def worker(argv: list[str]) -> None:
     from fairseq_fsdp2.checkpoint import async_save, sharded
 
     rank = int(os.environ["RANK"])
-    waited = {"s": 0.0}
+    waited = {"s": 0.0, "staging": 0.0}
     real_save, real_wait = checkpoint_utils.save_checkpoint, async_save.wait_pending
+    real_staging_wait = async_save.ShardStager.wait
+
+    def staging_wait(self):  # the optimizer step's wait for the staging copy
+        t0 = time.perf_counter()
+        real_staging_wait(self)
+        waited["staging"] += time.perf_counter() - t0
 
     def wait_pending():
         t0 = time.perf_counter()
@@ -74,28 +80,30 @@ def worker(argv: list[str]) -> None:
         print("WAIT " + json.dumps({"rank": rank, "s": time.perf_counter() - t0}), flush=True)
 
     def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
-        waited["s"], rss, t0 = 0.0, rss_gb(), time.perf_counter()
+        waited["s"], t0 = 0.0, time.perf_counter()
         out = real_save(cfg, trainer, epoch_itr, val_loss)
-        blocked, after = time.perf_counter() - t0, rss_gb()
+        blocked = time.perf_counter() - t0
         state = sharded.state_to_save(trainer.model, trainer.optimizer.optimizer)
         print("SAVE " + json.dumps({
             "rank": rank, "update": trainer.get_num_updates(), "blocked_s": blocked,
-            "waited_s": waited["s"], "rss_before_gb": rss, "rss_after_gb": after,
-            "shards_gb": tensor_bytes(state) / GIB}), flush=True)
+            "waited_s": waited["s"], "shards_gb": tensor_bytes(state) / GIB}), flush=True)
         return out
 
     real_step = Trainer.train_step
 
     def train_step(self, samples, raise_oom=False):
         t0 = time.perf_counter()
+        waited["staging"] = 0.0
         out = real_step(self, samples, raise_oom)
         print("STEP " + json.dumps({"rank": rank, "update": self.get_num_updates(),
-                                    "s": time.perf_counter() - t0}), flush=True)
+                                    "s": time.perf_counter() - t0, "rss_gb": rss_gb(),
+                                    "staging_wait_s": waited["staging"]}), flush=True)
         return out
 
     Trainer.train_step = train_step  # FSDP2Trainer calls it through super()
     checkpoint_utils.save_checkpoint = save_checkpoint
     async_save.wait_pending = wait_pending
+    async_save.ShardStager.wait = staging_wait
     sys.argv = ["fairseq-train", *argv]
     fairseq_cli.train.cli_main()
 
@@ -143,16 +151,21 @@ def run(name: str, data: Path, work: Path, args, background: bool) -> dict:
             "peak_gb": max(float(r["mem_peak_gb_max"]) for r in records
                            if int(r["num_updates"]) >= 2),
             "seconds_per_update": statistics.median(s["s"] for s in lines["STEP"]
-                                                    if s["update"] >= 2)}
+                                                    if s["update"] >= 2),
+            "staging_waits": [s["staging_wait_s"] for s in lines["STEP"]],
+            "last_rss_gb": [max((s for s in lines["STEP"] if s["rank"] == rank),
+                                key=lambda s: s["update"])["rss_gb"]
+                            for rank in range(args.ranks)]}
 
 
 def summary(row: dict) -> dict:
+    """The figures of one run's rows of the table."""
     saves = row["saves"]
     return {"blocked": statistics.median(s["blocked_s"] for s in saves),
             "blocked_max": max(s["blocked_s"] for s in saves),
             "waited_max": max(s["waited_s"] for s in saves),
-            "rss_growth": statistics.median(s["rss_after_gb"] - s["rss_before_gb"]
-                                            for s in saves),
+            "staging_wait_max": max(row["staging_waits"]),
+            "last_rss": statistics.median(row["last_rss_gb"]),
             "shards": statistics.median(s["shards_gb"] for s in saves),
             "count": len({s["update"] for s in saves})}
 
@@ -173,19 +186,22 @@ def report(rows: dict, info: dict, setup: dict) -> str:
         f"`--max-tokens {setup['max_tokens']}` per rank, {setup['updates']} updates, a save "
         f"every {setup['save_every']} (`--save-interval-updates`, {sync['count']} saves), the "
         f"same run without and with `{ASYNC}`, one after the other. Blocked: the time each "
-        f"rank's training loop spent in fairseq's save_checkpoint (median over ranks and saves); "
-        f"memory: resident memory (VmRSS) right after that call minus right before it, median.",
+        f"rank's training loop spent in fairseq's save_checkpoint (median over ranks and saves), "
+        f"and, asynchronously, in the next optimizer step's wait for the staging copy (made "
+        f"meanwhile by a thread of its own).",
         "", "| | synchronous | asynchronous |", "|---|---:|---:|",
         f"| training blocked per save, median (max) | {sync['blocked']:.2f} s "
         f"({sync['blocked_max']:.2f}) | {background['blocked']:.2f} s "
         f"({background['blocked_max']:.2f}) |",
         f"| of which waiting for the previous save (max) | - | {background['waited_max']:.2f} s |",
+        f"| the next optimizer step's wait for the staging copy (max) | - | "
+        f"{background['staging_wait_max']:.2f} s |",
         f"| background write, save point to files written (rank 0, median) | - | "
         f"{statistics.median(bg):.2f} s |" if bg else "| background write | - | - |",
         f"| waiting for the last save at the end of training (max over ranks) | - | "
         f"{max(rows['async']['end_wait_s'] or [0]):.2f} s |",
-        f"| resident memory right after the save call minus before, per rank | "
-        f"{sync['rss_growth']:+.3f} GiB | {background['rss_growth']:+.3f} GiB |",
+        f"| resident memory per rank after the last update (VmRSS, median over ranks) | "
+        f"{sync['last_rss']:.3f} GiB | {background['last_rss']:.3f} GiB |",
         f"| the rank's shards of the checkpoint (what the staging copy holds) | "
         f"{sync['shards']:.3f} GiB | {background['shards']:.3f} GiB |",
         f"| per-rank peak over the run (mem_peak_gb_max, from update 2) | "

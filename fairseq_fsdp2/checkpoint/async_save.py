@@ -1,19 +1,20 @@
 """Sharded checkpoints written in the background (fairseq's ``--write-checkpoints-asynchronously``).
 
-What: at a save point every rank copies its shards of the model and optimizer state to CPU
-memory (the staging copy of DCP's ``async_save``) and training goes on while a background thread
-writes that copy to ``<shard dir>.tmp``. When every rank's shards are written, rank 0's thread
-renames the directory and only then writes the fairseq checkpoint files that name it (the first
-file, then the others fairseq copies it to, such as ``checkpoint_last.pt``), each under a
-temporary name and renamed.
+What: at a save point training goes on at once. Every rank copies its shards of the model and
+optimizer state to CPU memory (the staging copy of DCP's ``async_save``, made by a thread while
+the next update's forward and backward run; that update's optimizer step waits for it), then
+DCP's background thread writes the copy to ``<shard dir>.tmp``. When every rank's shards are
+written, rank 0 renames the directory and only then writes the fairseq checkpoint files that
+name it (the first file, then the others fairseq copies it to, such as ``checkpoint_last.pt``),
+each under a temporary name and renamed.
 
 So a save stays atomic: no file ever names an incomplete directory (DCP's coordinator writes
 ``.metadata`` after gathering every rank's write results, and the rename follows), and a kill
 during the background write leaves the previous checkpoint files and their shards as they were.
 The next save point and the end of training wait for a pending save first (and report its
-failure as one line); a save point never starts a second write, so at most one staging copy is
-held: as large as the rank's shards of the checkpoint (12 bytes per parameter / ranks with fp32
-Adam), from the save point until the write is done.
+failure as one line); a save point never starts a second write. The staging copy is as large as
+the rank's shards of the checkpoint (12 bytes per parameter / ranks with fp32 Adam) and is kept
+from the first save to the end of the run: each save copies into it again.
 
 Why a process group of its own (gloo, created at the first save): the background save runs
 collectives (its plan, the gathering of write results); on the training group they would
@@ -31,7 +32,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Callable, Optional
 
@@ -52,6 +53,8 @@ logger = logging.getLogger(__name__)
 _enabled = False
 _pending: Optional["PendingSave"] = None  # this process's save in flight
 _group: Optional[dist.ProcessGroup] = None  # the background saves' collectives
+_stager: Optional["ShardStager"] = None  # its copies are reused from save to save
+_guarded: set[int] = set()  # the optimizers whose step waits for the staging copy
 
 
 def enable() -> None:
@@ -79,35 +82,80 @@ def save_failed(update: int, save_dir: str, error: BaseException) -> SaveFailed:
                       f"{rank}: {describe_failure(error)}; the previous checkpoints are intact")
 
 
-def staged(value):
-    """A copy of ``value`` in CPU memory that training cannot change: every tensor copied, a
-    DTensor as a copy of its local shard on the same mesh, placements, shape and stride."""
-    if isinstance(value, DTensor):
-        local = staged(value.to_local())
-        return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
-                                  shape=value.shape, stride=value.stride())
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: staged(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(staged(v) for v in value)
-    return value
-
-
 class ShardStager(AsyncStager):
-    """The staging step of DCP's async_save (its public extension point), done by ``staged``.
-    torch's default stager also deep-copies each DTensor's Python metadata (its mesh and
-    placements): measured on the NLLB-shaped benchmark model (270 tensors), that took several
-    times as long as copying the data."""
+    """The staging step of DCP's async_save (its public extension point): a copy of the state
+    in CPU memory that training cannot change, each DTensor as a copy of its local shard on the
+    same mesh, placements, shape and stride.
 
-    _synchronize_after_execute = False  # staging is done when stage() returns
+    The copy is made by a thread of its own while the next update's forward and backward run
+    (they only read the parameters and do not touch the optimizer state); the optimizer's next
+    step waits for it (``wait``, a step pre-hook that ``start`` installs), and DCP's write starts
+    when it is done. The copies are kept and reused at the next save (its write is over by
+    then): filling fresh memory (a page fault per page) took longer than the copy itself.
+    Why not torch's default stager: it copies in the training loop, and it also deep-copies each
+    DTensor's Python metadata (its mesh and placements), which took several times as long as
+    copying the data (measured on the NLLB-shaped benchmark model, 270 tensors)."""
 
-    def stage(self, state_dict):
-        return staged(state_dict)
+    _synchronize_after_execute = False  # async_save gets a Future: nothing to wait for here
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp2-staging")
+        self._copying: Optional[Future] = None
+
+    def stage(self, state_dict) -> Future:
+        """The staged state (tensors not yet filled) and, in the copier thread, their copy; the
+        Future is done when the copies are."""
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        staged = self._staged(state_dict, "", copies)
+        kept = {path for path, _ in copies}
+        self._buffers = {path: b for path, b in self._buffers.items() if path in kept}
+        self._copying = self._copier.submit(_fill, [(self._buffers[p], t) for p, t in copies],
+                                            staged)
+        return self._copying
+
+    def wait(self) -> None:
+        """Until the last staging copy is complete (before anything changes what it copies)."""
+        if self._copying is not None:
+            self._copying.result()
+
+    def _staged(self, value, path: str, copies: list):
+        if isinstance(value, DTensor):
+            return DTensor.from_local(self._buffer(value.to_local(), path, copies),
+                                      value.device_mesh, value.placements, run_check=False,
+                                      shape=value.shape, stride=value.stride())
+        if isinstance(value, torch.Tensor):
+            return self._buffer(value, path, copies)
+        if isinstance(value, dict):
+            return {k: self._staged(v, f"{path}/{k}", copies) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._staged(v, f"{path}/{i}", copies)
+                               for i, v in enumerate(value))
+        return value
+
+    def _buffer(self, tensor: torch.Tensor, path: str, copies: list) -> torch.Tensor:
+        buffer = self._buffers.get(path)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = self._buffers[path] = torch.empty(tensor.shape, dtype=tensor.dtype,
+                                                       device="cpu")
+        copies.append((path, tensor.detach()))
+        return buffer
 
     def close(self) -> None:
         pass
+
+
+def _fill(copies: list[tuple[torch.Tensor, torch.Tensor]], staged):
+    with torch.no_grad():
+        for buffer, source in copies:
+            buffer.copy_(source)
+    return staged
+
+
+def _wait_for_staging(optimizer, args, kwargs) -> None:
+    """Step pre-hook: the staging copy first (the step changes what it copies)."""
+    if _stager is not None:
+        _stager.wait()
 
 
 class PendingSave:
@@ -185,22 +233,28 @@ class PendingSave:
 
 
 def start(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], save_dir: str,
-          update: int, timeout: Optional[timedelta] = None) -> str:
-    """Every rank, after ``wait_pending``: stage this rank's shards (the blocking part: a copy
-    in CPU memory) and start writing them in the background; returns the shard directory
-    (relative to save_dir) that the files will name. ``timeout``: the background collectives'
+          update: int, stepping: torch.optim.Optimizer,
+          timeout: Optional[timedelta] = None) -> str:
+    """Every rank, after ``wait_pending``: stage this rank's shards and write them in the
+    background; returns the shard directory (relative to save_dir) that the files will name.
+    ``optimizer``: whose state is saved (None: none); ``stepping``: the optimizer whose next
+    step waits for the staging copy. ``timeout``: the background collectives'
     (--heartbeat-timeout), set when the first save creates their process group."""
-    global _group, _pending
+    global _group, _pending, _stager
     if _pending is not None:
         raise RuntimeError("a background save is still pending: wait_pending() first")
     if _group is None:  # every rank is here (a save point): a collective call
         _group = dist.new_group(backend="gloo", timeout=timeout)
+        _stager = ShardStager()
+    if id(stepping) not in _guarded:
+        stepping.register_step_pre_hook(_wait_for_staging)
+        _guarded.add(id(stepping))
     rel = sharded.new_shard_dir(update)
     _pending = PendingSave(update, save_dir, rel, is_writer=dist.get_rank() == 0)
     try:
         shards = dcp.async_save(sharded.state_to_save(model, optimizer),
                                 checkpoint_id=os.path.join(save_dir, rel) + ".tmp",
-                                process_group=_group, async_stager=ShardStager())
+                                process_group=_group, async_stager=_stager).upload_completion
     except BaseException as e:  # e.g. staging ran out of memory: reported now, as a sync save
         failed: Future = Future()
         failed.set_exception(e)

@@ -65,7 +65,7 @@ class TrainerCheckpoints:
                 timeout = self.cfg.distributed_training.heartbeat_timeout
                 self._shards = async_save.start(
                     self.model, optimizer, save_dir, self.get_num_updates(),
-                    timedelta(seconds=timeout) if timeout > 0 else None)
+                    self.optimizer.optimizer, timedelta(seconds=timeout) if timeout > 0 else None)
             else:
                 self._shards = sharded.save(self.model, optimizer, save_dir,
                                             self.get_num_updates())

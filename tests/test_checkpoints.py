@@ -312,6 +312,18 @@ def test_kill_during_a_background_write_leaves_the_previous_checkpoint_usable(sa
     assert sorted(got) == list(range(3, 11)) and all(got[n] == want[n] for n in got), (got, want)
 
 
+def test_the_step_after_an_asynchronous_save_waits_for_the_staging_copy():
+    """The staging copy of an asynchronous save is made while training goes on; the optimizer
+    step after the save changes what it copies, so it must wait (tests/probes/staging_probe.py
+    holds the copy back until that step is called): the shards hold the values before it."""
+    import json
+    (r,) = run_ranks(1, lambda rank: [], module="staging_probe",
+                     env={"PYTHONPATH": str(REPO / "tests" / "probes")}, timeout=120)
+    assert r.returncode == 0, r.output[-3000:]
+    report = json.loads(next(l for l in r.output.splitlines() if l.startswith("PROBE "))[6:])
+    assert report == {"saved_equals_before": True, "changed_by_step": True}, report
+
+
 def test_pretrained_stock_checkpoint_loads_without_full_copies_on_every_rank(corpus, tmp_path):
     """--finetune-from-model with a stock fairseq checkpoint (as released NLLB ones are): rank 0
     holds about one full copy while loading, other ranks about their shard plus one tensor."""

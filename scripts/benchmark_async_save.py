@@ -5,12 +5,13 @@
 
 The model: the NLLB layout (256,206-word shared vocabulary, pre-norm, sinusoidal positions) with
 few, narrow layers, so that the checkpoint (fp32 weights and Adam's two moments) is large
-against an update's compute: its synchronous save takes seconds. Measured on every rank and at
-every save point: the time the training loop is blocked in fairseq's save_checkpoint (for the
-asynchronous run: of which waiting for the previous save to finish), the resident memory right
-before and right after that call (the staging copy is alive after it), and the rank's shards
-of the checkpoint (the bytes the staging copy holds); on rank 0 how long each background write
-took; each run's per-update losses, per-rank peak memory (mem_peak_gb_max) and wall time.
+against an update's compute: its synchronous save takes seconds. Measured on every rank: the
+time the training loop is blocked in fairseq's save_checkpoint at each save point (for the
+asynchronous run: of which waiting for the previous save to finish) and in each optimizer
+step's wait for the staging copy, the rank's shards of the checkpoint (the bytes the staging
+copy holds) and its resident memory after the last update; on rank 0 how long each background
+write took; each run's per-update losses and gradient norms, per-rank peak memory
+(mem_peak_gb_max), seconds per update and wall time.
 
 Replaces the section between the markers in docs/benchmarks.md.
 
@@ -213,9 +214,10 @@ def report(rows: dict, info: dict, setup: dict) -> str:
         f"Blocked asynchronously: {100 * share:.1f}% of the synchronous save (goal: at most "
         f"10%: {'met' if share <= 0.10 else 'NOT met'}). Per-update losses and gradient norms "
         f"of the two runs: {'identical' if same else 'DIFFERENT'} ({len(rows['sync']['losses'])} "
-        f"updates). The asynchronous run holds the staging copy from a save point until its "
-        f"write ends, so its peak includes one copy of the rank's shards; the write's CPU time "
-        f"competes with training on these 2 cores.", "", END]
+        f"updates). The asynchronous run keeps its staging copy (one copy of the rank's "
+        f"shards) from the first save on, hence its larger resident memory and peak; its copy "
+        f"and write take CPU time from training on these {info['cores']} cores (seconds per "
+        f"update also vary with the machine's load, which other work set).", "", END]
     return "\n".join(lines)
 
 

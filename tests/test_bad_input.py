@@ -130,13 +130,6 @@ CATALOGUE = {
         (1, ["--store-ema", "--ema-seed-model", "{good}"],
          "--ema-seed-model {good} holds no EMA (extra_state['ema']): was it trained with "
          "--store-ema?")],
-    "`--write-checkpoints-asynchronously` with fsdp2": [
-        (1, ["--write-checkpoints-asynchronously"], "--write-checkpoints-asynchronously cannot be "
-         "combined with --ddp-backend fsdp2: fairseq's asynchronous writer (iopath) leaves")],
-    "`--encoder-layerdrop` or `--decoder-layerdrop` on more than one rank": [
-        (2, ["--encoder-layerdrop", "0.2", "--decoder-layerdrop", "0.1"],
-         "--encoder-layerdrop and --decoder-layerdrop cannot be combined with --ddp-backend "
-         "fsdp2 on more than one rank: each rank draws the layers it drops")],
     "`--distributed-world-size 2` in one process (no torchrun) on CPU": [
         (0, ["--distributed-world-size", "2"], "--distributed-world-size 2 needs one process per "
                                                 "rank and there is CPU (--cpu or no GPU): start "

@@ -1,5 +1,6 @@
 """Sharded checkpoints: resume at any world size, consolidated export read by stock fairseq,
-bad checkpoints refused with one line, a killed save leaves the previous checkpoint intact."""
+bad checkpoints refused with one line, a killed save leaves the previous checkpoint intact,
+saves written in the background (--write-checkpoints-asynchronously) as the others."""
 import os
 import shutil
 from pathlib import Path
@@ -261,6 +262,93 @@ def test_kill_during_save_leaves_previous_checkpoint_loadable(saved_run, corpus,
     # the same ranks and batches resume bit for bit: every resumed update prints the same
     got, want = per_update(out), per_update(saved_run[2])
     assert sorted(got) == list(range(3, 11)) and all(got[n] == want[n] for n in got), (got, want)
+
+
+ASYNC = "--write-checkpoints-asynchronously"
+
+
+def shard_tensors(checkpoint_file: Path, out: Path) -> dict:
+    """Every tensor a sharded checkpoint's shards hold (model and optimizer), read whole in
+    this process (DCP's public converter to a torch.save file, written to ``out``)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    header = torch.load(checkpoint_file, weights_only=True)["fsdp2"]
+    shards = checkpoint_file.parent / header["shards"]
+    dcp_to_torch_save(shards, out)
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif torch.is_tensor(value):
+            flat[prefix] = value
+    walk("", torch.load(out, weights_only=True))
+    return flat
+
+
+def test_asynchronous_saves_train_and_resume_as_synchronous_ones(saved_run, tmp_path):
+    """With --write-checkpoints-asynchronously the shards are written in the background while
+    training goes on: the run makes the same updates, keeps the same files, its shards hold the
+    save point's state bit for bit (not a later one), and a run resumed from them (also
+    asynchronous) makes the uninterrupted run's updates, bit for bit."""
+    root, args, full = saved_run
+    save_dir = tmp_path / "async"
+    out = ok(run_ranks(2, lambda r: args(save_dir, "--update-freq", 2, ASYNC)))
+    assert per_update(out) == per_update(full)
+    assert "in the background" in out
+    names = {p.name for p in save_dir.glob("*.pt")}
+    assert names == {p.name for p in (root / "run").glob("*.pt")}, names
+    assert not [d for d in os.listdir(save_dir / "fsdp2_shards") if d.endswith(".tmp")]
+    for name in ("checkpoint_1_4.pt", "checkpoint_last.pt"):
+        got = shard_tensors(save_dir / name, tmp_path / "got.pt")
+        want = shard_tensors(root / "run" / name, tmp_path / "want.pt")
+        assert sorted(got) == sorted(want) and any(k.startswith("optim.") for k in got), name
+        for key in want:
+            assert torch.equal(got[key], want[key]), (name, key)
+    state = torch.load(save_dir / "checkpoint_1_4.pt", weights_only=True)
+    assert state["cfg"]["checkpoint"]["write_checkpoints_asynchronously"]  # as asked
+    resumed = ok(run_ranks(2, lambda r: args(tmp_path / "resumed", "--update-freq", 2, ASYNC,
+                                             "--restore-file", save_dir / "checkpoint_1_4.pt")))
+    got, want = per_update(resumed), per_update(full)
+    assert sorted(got) == list(range(5, 11)) and all(got[n] == want[n] for n in got), (got, want)
+
+
+def test_kill_during_a_background_write_leaves_the_previous_checkpoint_usable(saved_run,
+                                                                             tmp_path):
+    """Every rank is killed while its update-4 shards are written in the background, after
+    training went on to update 5: checkpoint_last.pt and the files still name update 2's
+    complete shards, and the same command resumes from update 2 exactly."""
+    root, args, _ = saved_run
+    save_dir = tmp_path / "killed"
+    env = {"PYTHONPATH": str(REPO / "tests" / "probes"), "KILL_AT_SAVE": "2"}
+    results = run_ranks(2, lambda r: args(save_dir, "--update-freq", 2, ASYNC),
+                        module="kill_in_save", env=env)
+    assert all(r.returncode != 0 for r in results)
+    # the probe's line: the main thread had finished update 5 (trained on meanwhile)
+    assert "KILLED_IN_BACKGROUND_SAVE after update 5" in results[0].output, \
+        results[0].output[-3000:]
+    assert sorted(p.name for p in save_dir.glob("*.pt")) == ["checkpoint_1_2.pt",
+                                                             "checkpoint_last.pt"]
+    assert [d for d in os.listdir(save_dir / "fsdp2_shards") if d.endswith(".tmp")]
+    last = torch.load(save_dir / "checkpoint_last.pt", weights_only=True)
+    assert last["optimizer_history"][-1]["num_updates"] == 2
+    out = ok(run_ranks(2, lambda r: args(save_dir, "--update-freq", 2, ASYNC)))
+    assert "Loaded checkpoint" in out and train_inner(out)[0]["num_updates"] == "3"
+    assert not [d for d in os.listdir(save_dir / "fsdp2_shards") if d.endswith(".tmp")]
+    got, want = per_update(out), per_update(saved_run[2])
+    assert sorted(got) == list(range(3, 11)) and all(got[n] == want[n] for n in got), (got, want)
+
+
+def test_the_step_after_an_asynchronous_save_waits_for_the_staging_copy():
+    """The staging copy of an asynchronous save is made while training goes on; the optimizer
+    step after the save changes what it copies, so it must wait (tests/probes/staging_probe.py
+    holds the copy back until that step is called): the shards hold the values before it."""
+    import json
+    (r,) = run_ranks(1, lambda rank: [], module="staging_probe",
+                     env={"PYTHONPATH": str(REPO / "tests" / "probes")}, timeout=120)
+    assert r.returncode == 0, r.output[-3000:]
+    report = json.loads(next(l for l in r.output.splitlines() if l.startswith("PROBE "))[6:])
+    assert report == {"saved_equals_before": True, "changed_by_step": True}, report
 
 
 @pytest.mark.slow

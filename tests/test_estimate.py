@@ -336,6 +336,16 @@ def test_an_optimizer_it_does_not_model_is_counted_as_adam_and_said():
         "\n".join(other.notes)
 
 
+def test_layerdrop_is_planned_for_an_update_that_drops_no_layer():
+    """--encoder/--decoder-layerdrop skip random layers in training: the peak to plan for is an
+    update that runs them all (the trace ran train mode, where p = 1 skipped every layer)."""
+    (plain,) = cli.estimate_args(nllb_args("transformer_nllb_tiny"))
+    (dropping,) = cli.estimate_args(nllb_args("transformer_nllb_tiny", "--encoder-layerdrop", "1",
+                                              "--decoder-layerdrop", "1"))
+    assert dropping.peak == plain.peak and dropping.classes[0].breakdown == \
+        plain.classes[0].breakdown
+
+
 def test_cli_prints_the_breakdown(capsys):
     assert cli.main(nllb_args("transformer_nllb_600m", "--fp16", "--world-size", "8")) == 0
     out = capsys.readouterr().out

@@ -36,7 +36,7 @@ import pytest
 import torch
 
 from conftest import PLUGIN, REPO, TINY_MODEL, TRAINING, stock_ddp
-from launcher import finish_ranks, ok, run_ranks, start_ranks
+from launcher import finish_ranks, ok, run_ranks, start_ranks, train_inner
 from numerics import FP32_REORDERED, printed_close
 
 from fairseq_fsdp2.data import numbers
@@ -582,6 +582,80 @@ def test_multilingual_resumed_mid_virtual_epoch(multilingual, ranks):
         assert_resumed_exactly(made, uninterrupted, start + 1)
     else:
         assert_same_training(made, {n: uninterrupted[n] for n in made})
+
+
+# --- layerdrop on several ranks -------------------------------------------------------------------
+# 2+2 layers, p = 0.5 each, 2 ranks x --update-freq 2, 6 updates, a save every 3; the same command
+# resumed from update 3. Every update of both runs is watched on every rank by
+# tests/probes/layerdrop_probe.py (the layers run, the units gathered and reduce-scattered, the
+# layers left without a gradient). Not compared with legacy_ddp, whose ranks skip other layers.
+LAYERDROP = ["--encoder-layerdrop", "0.5", "--decoder-layerdrop", "0.5", "--update-freq", "2",
+             "--max-tokens", "500", "--log-format", "json", "--disable-validation",
+             "--max-update", "6", "--save-interval-updates", "3"]
+LAYER_LISTS = {"encoder.layers": 2, "decoder.layers": 2}  # TINY_MODEL's
+
+
+@pytest.fixture(scope="module")
+def layerdrop(corpus, tmp_path_factory):
+    """(rank 0's output, {rank: {update: probe report}}) of the run and of its resumed run."""
+    root = tmp_path_factory.mktemp("layerdrop")
+
+    def run(name: str, *extra) -> tuple[str, dict]:
+        args = [corpus, "--user-dir", PLUGIN, *TINY_MODEL, *BASE, *FSDP2, *LAYERDROP,
+                "--save-dir", root / name, *extra]
+        results = run_ranks(2, lambda rank: [str(a) for a in args], module="layerdrop_probe",
+                            env={"PYTHONPATH": PROBES}, timeout=300)
+        reports: dict = {}
+        for r in results:
+            assert r.returncode == 0, r.output[-3000:]
+            for line in r.output.splitlines():
+                if line.startswith("LAYERS "):
+                    report = json.loads(line[len("LAYERS "):])
+                    reports.setdefault(report["rank"], {})[report["update"]] = report
+        return results[0].output, reports
+    full = run("full")
+    return full, run("resumed", "--restore-file", root / "full" / "checkpoint_1_3.pt")
+
+
+def test_layerdrop_every_rank_skips_the_same_layers_and_gathers_none_of_them(layerdrop):
+    """Each update, both ranks and both micro-batches skip the layers that seed and update
+    decide (sharding/layerdrop.py's dropped_layers, --seed 1); a skipped layer unit is gathered
+    and reduce-scattered on no rank and gets no gradient; the number skipped is logged."""
+    from fairseq_fsdp2.sharding.layerdrop import dropped_layers
+    (output, reports), _ = layerdrop
+    logged = {int(r["num_updates"]): r for r in train_inner(output)}
+    assert sorted(reports) == [0, 1] and sorted(reports[0]) == sorted(reports[1]) == \
+        list(range(1, 7)) == sorted(logged)
+    skipped_any = kept_any = False
+    for n in range(1, 7):
+        skipped = set()
+        for name, count in LAYER_LISTS.items():
+            mine = dropped_layers(1, n - 1, name, count, 0.5)
+            assert logged[n][f"{name.split('.')[0]}_layers_dropped"] == str(len(mine)), n
+            skipped |= {f"{name}.{i}" for i in mine}
+        kept = {f"{name}.{i}" for name, count in LAYER_LISTS.items()
+                for i in range(count)} - skipped
+        skipped_any, kept_any = skipped_any or bool(skipped), kept_any or bool(kept)
+        a, b = reports[0][n], reports[1][n]
+        for key in ("ran", "gathered", "reduced", "no_grad"):
+            assert a[key] == b[key], (n, key, a, b)  # the ranks' collectives pair up
+        assert a["ran"] == {layer: 2 for layer in sorted(kept)}, (n, a)  # both micro-batches
+        assert not skipped & set(a["gathered"]) and not skipped & set(a["reduced"]), (n, a)
+        assert skipped <= set(a["no_grad"]), (n, a)
+    assert skipped_any and kept_any  # the seed's draws exercise both cases
+
+
+def test_layerdrop_resumed_run_is_exact(layerdrop):
+    """Resumed from update 3 at the same world size: every update skips the same layers and
+    prints the same loss and gradient norm as the uninterrupted run, bit for bit."""
+    (full_output, full), (output, resumed) = layerdrop
+    made, uninterrupted = updates(output), updates(full_output)
+    assert_resumed_exactly(made, uninterrupted, 4)
+    assert sorted(made) == [4, 5, 6]
+    for rank in (0, 1):
+        assert sorted(resumed[rank]) == [4, 5, 6]
+        for n in (4, 5, 6):
+            assert resumed[rank][n] == full[rank][n], (rank, n)
 
 
 # --- features refused ------------------------------------------------------------------------------

@@ -56,6 +56,19 @@ def test_checkpoint_activations_wraps_every_layer_as_fairseq_does(model):
     assert len(plan.layer_units) == 4
 
 
+def test_layerdrop_lists_wrap_every_layer_in_training_mode(corpus):
+    """fairseq's LayerDropModuleList (--encoder/--decoder-layerdrop) yields a random subset of
+    its layers when iterated in training mode: the plan takes its children, all of them, under
+    their own names (p = 1 would skip every layer of an iteration)."""
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        str(corpus), *TINY_MODEL, "--encoder-layerdrop", "1", "--decoder-layerdrop", "1"])
+    model = tasks.setup_task(args).build_model(args).train()
+    assert list(model.encoder.layers) == []  # what iterating would give
+    plan = build_plan(model, world_size=2, min_params_to_wrap=1)
+    assert [u.name for u in plan.layer_units] == ["encoder.layers.0", "encoder.layers.1",
+                                                  "decoder.layers.0", "decoder.layers.1"]
+
+
 def test_reshard_settings(model):
     default = build_plan(model, world_size=4, min_params_to_wrap=1)
     kinds = {u.kind: u.reshard_after_forward for u in default.units}

@@ -10,6 +10,8 @@ directories no checkpoint file references any more are removed at the next save.
 Atomic: shards are written to ``<dir>.tmp`` and renamed when complete, and fairseq then writes
 the small file to ``.tmp`` and renames it, so a kill at any point leaves the previous checkpoint
 of that name intact. DCP reshards on load, so a checkpoint saved at N ranks resumes at M.
+With --write-checkpoints-asynchronously the same directories are written in the background
+(async_save.py).
 """
 from __future__ import annotations
 
@@ -77,21 +79,35 @@ def save(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], save_dir:
     """Every rank: write model (and optimizer) shards, and ``extra`` entries (name -> tensors by
     name, e.g. the EMA's shards: {"ema": {...}}); returns the directory relative to save_dir.
     Only complete directories ever carry their final name."""
-    token = [secrets.token_hex(4) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(token, src=0)
-    rel = os.path.join(SHARDS_DIR, f"u{num_updates:08d}-{token[0]}")
+    rel = new_shard_dir(num_updates)
     final = os.path.join(save_dir, rel)
     tmp = final + ".tmp"
-    state = {"model": _canonical_state(model)}
-    if optimizer is not None:
-        state["optim"] = get_optimizer_state_dict(model, optimizer)
-    state.update(extra or {})
-    dcp.save(state, checkpoint_id=tmp)
+    dcp.save(state_to_save(model, optimizer, extra), checkpoint_id=tmp)
     dist.barrier()
     if dist.get_rank() == 0:
         os.rename(tmp, final)
     dist.barrier()
     return rel
+
+
+def new_shard_dir(num_updates: int) -> str:
+    """Every rank: a new shard directory's name, relative to the save dir (rank 0 draws it);
+    written as ``<name>.tmp`` and renamed when complete."""
+    token = [secrets.token_hex(4) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    return os.path.join(SHARDS_DIR, f"u{num_updates:08d}-{token[0]}")
+
+
+def state_to_save(model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                  extra: Optional[dict] = None) -> dict:
+    """What the shards hold: this rank's model state (each tied weight once), unless
+    ``optimizer`` is None its optimizer state, and the ``extra`` entries (the EMA's); the
+    tensors are the live ones, not copies."""
+    state = {"model": _canonical_state(model)}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    state.update(extra or {})
+    return state
 
 
 def aliases(model: nn.Module) -> dict[str, str]:

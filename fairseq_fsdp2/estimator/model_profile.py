@@ -13,6 +13,7 @@ from typing import Iterable, Optional
 
 import torch
 import torch.nn as nn
+from fairseq.modules import LayerDropModuleList
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..sharding.plan import ROOT, ShardingPlan, build_plan, layer_candidates
@@ -276,6 +277,10 @@ def build_profile(model: nn.Module, workload: Workload, *, precision: str = "fp3
 
     dtype, nbytes = PRECISIONS[precision]
     traced = copy.deepcopy(model)  # meta: free; the cast and hooks stay off the caller's model
+    for module in traced.modules():
+        if isinstance(module, LayerDropModuleList):
+            # layerdrop skips random layers in train mode: plan for an update that skips none
+            module.__class__ = nn.ModuleList
     if checkpoint_activations:
         _strip_checkpointing(traced, layers)
     raw = trace_forward(traced, list(owner) + list(embed_paths) + list(output_paths), workload,

@@ -19,6 +19,7 @@ import fairseq_cli.train
 from fairseq.dataclass import configs as fairseq_configs
 from hydra.core.config_store import ConfigStore
 
+from ..checkpoint import async_save
 from ..checkpoint.export import read_with_full_weights
 from ..checkpoint.safe_load import allow_fairseq_checkpoint_classes
 from ..launch import run as launch
@@ -96,6 +97,13 @@ def install() -> None:
     fairseq.checkpoint_utils.load_checkpoint_to_cpu = functools.wraps(
         fairseq.checkpoint_utils.load_checkpoint_to_cpu)(functools.partial(
             read_with_full_weights, fairseq.checkpoint_utils.load_checkpoint_to_cpu))
+
+    # 9. Saving in the background (--write-checkpoints-asynchronously, checkpoint/async_save.py):
+    #    fairseq writes its first checkpoint file and then copies it to checkpoint_last.pt and
+    #    the others; the first is written only once its shards are complete, so a copy of it
+    #    made before then is written with it instead.
+    fairseq.file_io.PathManager.copy = staticmethod(
+        functools.partial(async_save.copy_when_written, fairseq.file_io.PathManager.copy))
 
 
 def _meta_aware(fairseq_build_model):

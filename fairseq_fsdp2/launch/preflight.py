@@ -20,13 +20,6 @@ from ..checkpoint.safe_load import read_checkpoint_file
 from ..errors import CheckpointError, OptionError, first_line
 from ..hf.nllb_weights import INDEX, WEIGHTS, is_hf_source
 
-# measured with iopath 0.1.10 and torch 2.13: stock fairseq's files are unreadable the same way
-ASYNC_WRITE_REFUSED = (
-    "--write-checkpoints-asynchronously cannot be combined with --ddp-backend fsdp2: fairseq's "
-    "asynchronous writer (iopath) leaves checkpoint files that torch cannot read back (\"failed "
-    "finding central directory\"), so neither a resume nor the consolidated export could use them")
-
-
 def check_launch(cfg, *, launched_per_rank: bool, on_cuda: bool) -> None:
     """Raise OptionError for a run that cannot start as asked."""
     world = cfg.distributed_training.distributed_world_size
@@ -91,16 +84,6 @@ def check_fairseq_flags(cfg) -> None:
         if not saved:
             raise OptionError(f"--ema-seed-model {seed} holds no EMA (extra_state['ema']): was "
                               f"it trained with --store-ema?")
-    if cfg.checkpoint.write_checkpoints_asynchronously:
-        raise OptionError(ASYNC_WRITE_REFUSED)
-    layerdrop = [f"--{side}-layerdrop" for side in ("encoder", "decoder")
-                 if (getattr(cfg.model, f"{side}_layerdrop", 0) or 0) > 0]
-    if layerdrop and dt.distributed_world_size > 1:
-        raise OptionError(f"{' and '.join(layerdrop)} cannot be combined with --ddp-backend "
-                          f"fsdp2 on more than one rank: each rank draws the layers it drops "
-                          f"from its own random state (its batches' dropout has advanced it "
-                          f"differently), while FSDP2 gathers a layer's shards on every rank "
-                          f"together")
 
 
 def data_error(error: BaseException, data: Optional[str]) -> Optional[str]:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from fairseq.distributed import utils as fairseq_distributed_utils
 from omegaconf import open_dict
 
+from ..checkpoint import async_save
 from ..checkpoint.export import consolidate_at_end
 from ..errors import FSDP2Error, OptionError, RankLostError, TrainingStopped, first_line
 from ..options import FSDP2_BACKEND, LEGACY_FSDP_BACKEND, validate
@@ -143,6 +144,11 @@ def set_up_run(cfg) -> bool:
     preflight.check_fairseq_flags(cfg)
     meta_build.enable(preflight.weights_will_be_loaded(cfg))
     if dt.distributed_no_spawn:  # a rank (not a task that starts ranks)
+        if cfg.checkpoint.write_checkpoints_asynchronously:
+            # the trainer writes the shards in the background (checkpoint/async_save.py);
+            # fairseq's own asynchronous writer (iopath) is switched off: see there why
+            async_save.enable()
+            cfg.checkpoint.write_checkpoints_asynchronously = False
         _init_process_group(cfg)
         _on_sigterm(cfg)
     return True
@@ -206,6 +212,7 @@ def _after_training(cfg) -> None:
     already gone, so a slow export of a large model cannot fail a finished run."""
     distributed = dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
+    async_save.wait_pending()  # the last save, written in the background (raises if it failed)
     if distributed:
         dist.barrier()
         dist.destroy_process_group()

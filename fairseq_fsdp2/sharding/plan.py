@@ -88,11 +88,13 @@ def describe_reshard(setting: ReshardSetting, kind: str) -> str:
 
 
 def layer_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules fairseq would pass to ``fsdp_wrap``: elements of ``layers`` ModuleLists."""
+    """The modules fairseq would pass to ``fsdp_wrap``: elements of ``layers`` ModuleLists.
+    Their children, not their iteration: iterating fairseq's LayerDropModuleList (layerdrop) in
+    training mode yields a random subset of the layers."""
     found = []
     for path, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and path.rsplit(".", 1)[-1] == "layers":
-            found.extend((f"{path}.{i}", layer) for i, layer in enumerate(module))
+            found.extend((f"{path}.{i}", layer) for i, layer in module.named_children())
     return found
 
 

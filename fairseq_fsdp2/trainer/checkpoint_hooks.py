@@ -13,15 +13,17 @@ import contextlib
 import logging
 import os
 import time
+from datetime import timedelta
 
 import torch
+from fairseq import utils as fairseq_utils
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from ..errors import CheckpointError, SaveFailed, first_line
-from ..checkpoint import sharded
+from ..checkpoint import async_save, sharded
 from ..checkpoint.export import read_full_model
+from ..errors import CheckpointError
 from ..checkpoint.full_state import broadcast_full_model
 from ..checkpoint.grow_embedding import checkpoint_dictionary, grown as grow_embedding, \
     more_rows, smaller_dictionary
@@ -54,15 +56,25 @@ class TrainerCheckpoints:
                 module.reshard()
         self._gathered_optim_state = None  # fairseq's state_dict() reads it
         save_dir = self.cfg.checkpoint.save_dir
+        # --write-checkpoints-asynchronously: the previous save, whole, before its directory
+        # could look unreferenced below and before a second staging copy is made
+        async_save.wait_pending()
         if self.data_parallel_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             sharded.remove_unreferenced(save_dir)
         keep_optimizer = not self.cfg.checkpoint.no_save_optimizer_state
+        optimizer = self.optimizer.optimizer if keep_optimizer else None
         with self._save_errors_reported():
-            self._shards = sharded.save(self.model,
-                                        self.optimizer.optimizer if keep_optimizer else None,
-                                        save_dir, self.get_num_updates(),
-                                        self.sharded_extras())
+            extra = self.sharded_extras()
+            if async_save.enabled():  # training goes on while the shards are written
+                timeout = self.cfg.distributed_training.heartbeat_timeout
+                self._shards = async_save.start(
+                    self.model, optimizer, save_dir, self.get_num_updates(),
+                    self.optimizer.optimizer, timedelta(seconds=timeout) if timeout > 0 else None,
+                    extra)
+            else:
+                self._shards = sharded.save(self.model, optimizer, save_dir,
+                                            self.get_num_updates(), extra)
 
     def sharded_extras(self) -> dict:
         """More state for the shards, beside model and optimizer (ema.py: the EMA's)."""
@@ -70,6 +82,15 @@ class TrainerCheckpoints:
 
     def save_checkpoint(self, filename, extra_state):
         resume.save_patience(self.cfg, extra_state)
+        if async_save.enabled():
+            # fairseq's file, as its save_checkpoint builds it, written (with the copies fairseq
+            # asks for) once its shards are complete: never a file naming incomplete shards
+            state = fairseq_utils.move_to_cpu(self.state_dict())
+            state["extra_state"].update(python_numbers(extra_state))
+            if isinstance(state.get("cfg"), dict):  # the flag as asked (launch/run.py hid it)
+                state["cfg"]["checkpoint"]["write_checkpoints_asynchronously"] = True
+            async_save.add_file(filename, state)
+            return os.path.abspath(filename)
         with self._save_errors_reported():
             super().save_checkpoint(filename, python_numbers(extra_state))
 
@@ -80,10 +101,8 @@ class TrainerCheckpoints:
         try:
             yield
         except (OSError, CheckpointException) as e:
-            raise SaveFailed(
-                f"saving the checkpoint of update {self.get_num_updates()} to "
-                f"{self.cfg.checkpoint.save_dir} failed on rank {self.data_parallel_rank}: "
-                f"{_save_error(e)}; the previous checkpoints are intact") from e
+            raise async_save.save_failed(self.get_num_updates(), self.cfg.checkpoint.save_dir,
+                                         e) from e
 
     def state_dict(self):
         if self._shards is None:
@@ -264,11 +283,3 @@ class TrainerCheckpoints:
         restore_scaler_counts(self.optimizer, state_dict.get("loss_scaler"))
         return optimizer.state_dict()
 
-
-def _save_error(error: BaseException) -> str:
-    """What a failed save reports; for DCP's CheckpointException, which wraps each rank's
-    failure, the first failing rank's error."""
-    if isinstance(error, CheckpointException) and error.failures:
-        rank, (cause, _) = min(error.failures.items())
-        return f"{first_line(cause, 300)} (rank {rank}'s write)"
-    return first_line(error, 300)

@@ -26,7 +26,7 @@ from ..memory.monitor import MemoryMonitor, describe_last
 from ..optimizer import mixed_precision
 from ..optimizer.build import build_optimizer
 from ..options import FSDP2_BACKEND, tied_grad_buffer_on
-from ..sharding import meta_build, tied_grad_buffer
+from ..sharding import layerdrop, meta_build, tied_grad_buffer
 from ..sharding.apply_plan import all_unsharded, apply_plan
 from ..sharding.mesh import build_mesh
 from ..sharding.plan import ShardingPlan, build_plan
@@ -86,6 +86,8 @@ class FSDP2Trainer(TrainerEMA, TrainerCheckpoints, Trainer):
         dt = self.cfg.distributed_training
         if tied_grad_buffer_on(dt):  # before sharding: it changes the tied modules' classes
             tied_grad_buffer.install(model)
+        # --encoder/--decoder-layerdrop: every rank skips the same layers (sharding/layerdrop.py)
+        layerdrop.install(model, self.cfg.common.seed)
         world = dist.get_world_size() if dist.is_initialized() else 1
         plan = build_plan(
             model, world_size=world,

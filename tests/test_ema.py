@@ -258,6 +258,18 @@ def test_ema_resharded_on_one_rank(ema, ours):
         assert all(torch.equal(resumed[k], ours[4][1][k]) for k in resumed)
 
 
+def test_asynchronous_saves_hold_the_same_ema(ema, ours):
+    """--write-checkpoints-asynchronously writes the EMA's shards in the background with the
+    model's (staged before the next optimizer step, which fairseq's EMA update follows): every
+    save holds the synchronous run's weights and EMA, bit for bit."""
+    out = ema.run("async", "--write-checkpoints-asynchronously")
+    assert sorted(updates(out)) == list(range(1, UPDATES + 1)) and "in the background" in out
+    background = saves(ema.save_dir("async"))
+    for n in range(1, UPDATES + 1):
+        for got, want in zip(background[n], ours[n]):
+            assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), n
+
+
 def test_consolidated_export_holds_the_ema_where_fairseq_puts_it(ema, ours, stock, corpus,
                                                                  tmp_path):
     """The export at the end of the run holds the EMA in extra_state["ema"] (and, with

@@ -262,8 +262,8 @@ def assert_adam_stats_close(ours: str, float32_moments: str, u_compute: float, u
     assert got[1] == want[1] and got[2] == want[2], (got, want)
     for n in range(3, updates + 1):
         tolerance = adam_stats_tolerance(u_compute, u_store, n)
-        for x, y in zip(got[n], want[n]):
-            assert printed_close(x, y, tolerance), (n, got[n], want[n], tolerance)
+        for key, x, y in zip(("loss", "gnorm"), got[n], want[n]):
+            assert printed_close(x, y, tolerance, key), (n, got[n], want[n], tolerance)
 
 
 #: The run with fp16 moments: checkpoints at updates 10 and 20 (resumed below)

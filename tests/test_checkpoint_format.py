@@ -30,5 +30,5 @@ def test_a_checkpoint_written_before_the_layout_change_resumes_exactly(corpus, t
     records = train_inner(out)
     assert [r["num_updates"] for r in records] == ["3"], records
     for key in ("loss", "nll_loss", "gnorm"):
-        assert printed_close(records[0][key], want[key], FP32_REORDERED), \
+        assert printed_close(records[0][key], want[key], FP32_REORDERED, key), \
             (key, records[0][key], want[key])

@@ -119,7 +119,8 @@ def test_nllb200_dictionary_grows_after_the_models_rows(base, tmp_path):
                              "--spm-model and --dict"),
     (dict(model_rows=10), "--model-rows 10 is fewer than the dictionary's"),
     (dict(add_pieces="bad"), "bad.txt:1: expected a piece, or a piece and its score"),
-    (dict(add_langs=None, model_rows=400), "--model-rows applies to growing a model"),
+    (dict(base_files=False, model_rows=400), "--model-rows applies to a model given by "
+                                            "--spm-model and --dict"),
 ])
 def test_bad_growth_stops_with_one_line_and_writes_nothing(base, tmp_path, kwargs, message):
     kwargs = {"add_langs": "lat_Latn", **kwargs}

@@ -192,6 +192,27 @@ def test_nllb200_language_tokens(raw, prepared, tmp_path):
     assert (dest / "langs.txt").read_text().strip().split(",") == list(NLLB200_LANGS)
 
 
+def test_model_rows_pad_the_dictionary_to_the_checkpoints_rows(raw, prepared, tmp_path):
+    """NLLB-200's fairseq checkpoints have 3 rows more than its dictionary.txt with the 202
+    languages (fairseq#4557): --model-rows pads with fairseq's fillers to exactly that many
+    entries, after the language tokens; fewer rows than entries stop with one line."""
+    dest = tmp_path / "rows"
+    run_main(raw, dest, "--spm-model", prepared / "spm.model", "--dict", prepared / "dict.txt",
+             "--dict-langs", "nllb200")
+    plain = (dest / "dict.txt").read_text().splitlines()
+    rows = len(plain) + 4 + 3  # fairseq's 4 specials, then 3 rows the checkpoint has more
+    padded_dest = tmp_path / "padded"
+    run_main(raw, padded_dest, "--spm-model", prepared / "spm.model", "--dict",
+             prepared / "dict.txt", "--dict-langs", "nllb200", "--model-rows", rows)
+    padded = (padded_dest / "dict.txt").read_text().splitlines()
+    assert padded[:len(plain)] == plain and len(padded) + 4 == rows
+    assert padded[len(plain):] == [f"madeupword{r:04d} 0" for r in range(rows - 3, rows)]
+    message = error_of(raw, tmp_path / "few", "--spm-model", prepared / "spm.model", "--dict",
+                       prepared / "dict.txt", "--dict-langs", "nllb200", "--model-rows", 10)
+    assert f"--model-rows 10 is fewer than the dictionary's {len(plain) + 4} entries" in message
+    assert not (tmp_path / "few").exists() and not leftovers(tmp_path)
+
+
 # --- errors --------------------------------------------------------------------------------
 
 def corrupt(raw: Path, tmp_path: Path, edit) -> Path:

@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 
 import sentencepiece as spm
 
-from ..hf.vocab import dictionary_for
+from ..hf.vocab import FILLER, dictionary_for
 from ..models.nllb_languages import NLLB200_LANGS
 from . import grow_vocab
 from .dictionary import FAIRSEQ_SPECIALS, build_dictionary, read_dict_tokens
@@ -59,6 +59,17 @@ def binarize(pair: Pair, splits: Sequence[str], encoded_dir: Path, dictionary: P
         run_preprocess(argv)
     except PreprocessError as exc:
         raise PrepareError(f"fairseq-preprocess failed for {pair.name}: {exc}") from None
+
+
+def pad_to_rows(dict_lines: list[str], rows: int) -> list[str]:
+    """``dict_lines`` (after fairseq's 4 specials) padded with fairseq's filler entries to
+    ``rows`` entries in all, the embedding rows of the model to fine-tune (NLLB-200's fairseq
+    checkpoints: 256,206 rows for a dictionary.txt and 202 languages of 256,203 entries)."""
+    entries = len(dict_lines) + len(FAIRSEQ_SPECIALS)
+    if rows < entries:
+        raise PrepareError(f"--model-rows {rows} is fewer than the dictionary's {entries} "
+                           f"entries (with the language tokens)")
+    return dict_lines + [f"{FILLER.format(row)} 0" for row in range(entries, rows)]
 
 
 def prepare(raw_dir: Path, dest: Path, *, lang_pairs: Optional[str] = None,
@@ -87,9 +98,9 @@ def prepare(raw_dir: Path, dest: Path, *, lang_pairs: Optional[str] = None,
         raise PrepareError("--train-pieces must be >= 0 and --padding-factor >= 1")
     added = grow_vocab.parse_add_langs(add_langs)
     growing = bool(added or add_pieces or train_pieces)
-    if model_rows is not None and (not growing or hf_model is not None):
-        raise PrepareError("--model-rows applies to growing a model given by --spm-model and "
-                           "--dict (with --add-langs, --add-pieces or --train-pieces)")
+    if model_rows is not None and (dictionary is None or hf_model is not None):
+        raise PrepareError("--model-rows applies to a model given by --spm-model and --dict "
+                           "(its embedding rows, when the dictionary lists fewer)")
     hf_lines, base = None, None
     if hf_model is not None:
         if spm_model is not None or dictionary is not None:
@@ -176,6 +187,8 @@ def prepare(raw_dir: Path, dest: Path, *, lang_pairs: Optional[str] = None,
         else:
             dict_lines = hf_lines or build_dictionary(encoded_train, append_langs,
                                                       Path(dictionary) if dictionary else None)
+            if model_rows is not None:  # the checkpoint's rows past the dictionary's: fillers
+                dict_lines = pad_to_rows(dict_lines, model_rows)
             if hf_model is not None:
                 grow_vocab.copy_hf_tokenizer(Path(hf_model), model, tmp)
         dict_path = tmp / "dict.txt"
@@ -250,10 +263,11 @@ def main(argv=None) -> None:
                         "without --add-langs) and add its pieces that the model lacks, as "
                         "--add-pieces does")
     parser.add_argument("--model-rows", type=int,
-                        help="growing a fairseq model (--spm-model, --dict): its embedding "
-                        "rows, when the dictionary lists fewer (NLLB-200's dictionary.txt with "
-                        "its 202 languages has 256,203 entries, its checkpoints 256,206 rows): "
-                        "the rows in between stay the model's, the new entries come after")
+                        help="a fairseq model's embedding rows (--spm-model, --dict), when the "
+                        "dictionary lists fewer (NLLB-200's dictionary.txt with its 202 "
+                        "languages has 256,203 entries, its checkpoints 256,206 rows): the rows "
+                        "in between are fairseq's madeupwordNNNN fillers; when growing, the new "
+                        "entries come after them")
     parser.add_argument("--padding-factor", type=int, default=8,
                         help="a grown dictionary is padded with madeupwordNNNN entries to a "
                         "multiple of this many entries, as fairseq-preprocess pads (1: none)")

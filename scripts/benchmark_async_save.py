@@ -1,18 +1,7 @@
 #!/usr/bin/env python
 """Synchronous vs asynchronous checkpoints, side by side in one run (not a test): the same
 2-rank FSDP2 training, saving every few updates, once without and once with
-`--write-checkpoints-asynchronously`.
-
-The model: the NLLB layout (256,206-word shared vocabulary, pre-norm, sinusoidal positions) with
-few, narrow layers, so that the checkpoint (fp32 weights and Adam's two moments) is large
-against an update's compute: its synchronous save takes seconds. Measured on every rank: the
-time the training loop is blocked in fairseq's save_checkpoint at each save point (for the
-asynchronous run: of which waiting for the previous save to finish) and in each optimizer
-step's wait for the staging copy, the rank's shards of the checkpoint (the bytes the staging
-copy holds) and its resident memory after the last update; on rank 0 how long each background
-write took; each run's per-update losses and gradient norms, per-rank peak memory
-(mem_peak_gb_max), seconds per update and wall time.
-
+`--write-checkpoints-asynchronously`. What it measures: fairseq_fsdp2/benchmarks/async_save_run.py.
 Replaces the section between the markers in docs/benchmarks.md.
 
   .venv/bin/python scripts/benchmark_async_save.py      # about 5 minutes on 2 cores

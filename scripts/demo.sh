@@ -10,6 +10,8 @@
 # Outputs under ${DEMO_OUTPUT:-demo_output}; the full training log is train.log there.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=scripts/demo_lib.sh
+source "$root/scripts/demo_lib.sh"
 out="${DEMO_OUTPUT:-$root/demo_output}"
 start=$SECONDS
 step() { echo "[demo] step $1/5: $2"; }
@@ -60,30 +62,6 @@ EOF
 
 ckpt="$out/checkpoints/checkpoint_best_consolidated.pt"
 step 5 "stock fairseq-generate (no --user-dir) on $(basename "$ckpt"), test split, eng_Latn -> fra_Latn"
-"$root/.venv/bin/fairseq-generate" "$out/data" --path "$ckpt" \
-  --task translation_multi_simple_epoch --lang-pairs "$pairs" --langs "$(cat "$out/data/langs.txt")" \
-  --source-lang eng_Latn --target-lang fra_Latn --encoder-langtok src --decoder-langtok \
-  --gen-subset test --beam 5 --batch-size 128 --required-batch-size-multiple 1 \
-  --remove-bpe sentencepiece --scoring sacrebleu \
-  --cpu --num-workers 0 > "$out/generate.eng_Latn-fra_Latn.txt" 2> "$out/generate.log" || {
-  echo "[demo] fairseq-generate failed; the end of $out/generate.log:" >&2
-  tail -n 20 "$out/generate.log" >&2
-  exit 1
-}
-"$py" - "$out/generate.eng_Latn-fra_Latn.txt" <<'EOF'
-import re, sys
-text = open(sys.argv[1], encoding="utf-8").read()
-bleu = re.search(r"^Generate test with beam=\d+: (BLEU = [\d.]+.*)$", text, re.M)
-rows = {}
-for line in text.splitlines():
-    m = re.match(r"^([STD])-(\d+)\t(.*)$", line)
-    if m:
-        rows.setdefault(int(m[2]), {})[m[1]] = m[3].split("\t")[-1]
-print(f"[demo] {len(rows)} test sentences, sacrebleu: {bleu[1] if bleu else 'no score found'}")
-print("[demo] examples (source | reference | model):")
-for i in sorted(rows)[:6]:
-    r = rows[i]
-    src = r["S"].replace("__eng_Latn__ ", "")
-    print(f"[demo]   {src}  |  {r.get('T', '')}  |  {r.get('D', '')}")
-EOF
+demo_generate "$py" "$out/data" "$ckpt" "$pairs" eng_Latn fra_Latn \
+  "$out/generate.eng_Latn-fra_Latn.txt" "$out/generate.log" || exit 1
 echo "[demo] done in $((SECONDS - start)) s; outputs under $out"

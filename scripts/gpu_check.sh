@@ -26,9 +26,9 @@ started=$SECONDS
 
 # The GPU machine's image, as read there (2026-11: python3 is Python 3.12.3 with torch
 # 2.11.0+cu130): the packages the check relies on it for, version where read. It holds many
-# more; what it lacks (hydra-core, omegaconf, antlr4, bitarray, cffi, fairseq-fixed) travels in
-# .whl/. `prepare` takes this list for what the image has; the dry run's stand-in image holds
-# exactly these (with their own requirements).
+# more; what it lacks or this list does not name (hydra-core, omegaconf, antlr4, bitarray, cffi,
+# fairseq-fixed; protobuf) travels in .whl/. `prepare` takes this list for what the image has;
+# the dry run's stand-in image holds exactly these (with their own requirements).
 IMAGE_PYTHON=3.12
 IMAGE=(torch==2.11.0 numpy==2.5.2 sentencepiece==0.2.2 setuptools wheel cython packaging pyyaml
        regex sacrebleu tqdm scikit-learn scipy pytest pip)

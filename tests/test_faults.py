@@ -10,6 +10,7 @@ import re
 import time
 
 import pytest
+import torch
 
 from conftest import REPO
 from launcher import finish_ranks, free_port, start_ranks, train_inner
@@ -206,10 +207,22 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(train_args, tmp_p
 ])
 def test_nan_loss_and_out_of_memory_stop_naming_update_and_rank(train_args, tmp_path, fault,
                                                                expected):
-    results, _ = run(train_args, tmp_path / "ckpt", fault, tmp_path, updates=5)
+    """Each stops with its line on every rank. The NaN case writes its checkpoints in the
+    background: fairseq's crash.pt, saved just before it raises, must be whole afterwards
+    (the probe slows rank 0's background file write by 5 s, so an exit that does not wait for
+    it loses the file)."""
+    nan = fault.startswith("nan")
+    save_dir = tmp_path / "ckpt"
+    results, _ = run(train_args, save_dir, fault, tmp_path, updates=5,
+                     extra=["--write-checkpoints-asynchronously"] if nan else [])
     for r, pattern in zip(results, expected):
         assert r.returncode != 0
         assert re.search(pattern, r.output), f"rank {r.rank}:\n{r.output[-3000:]}"
+    if nan:  # fairseq writes crash.pt (the state before the failed update), then raises
+        crash = torch.load(save_dir / "crash.pt", weights_only=True)
+        shards = save_dir / crash["fsdp2"]["shards"]
+        assert (shards / ".metadata").is_file(), sorted(os.listdir(save_dir))
+        assert crash["optimizer_history"][-1]["num_updates"] == 2, crash["optimizer_history"]
 
 
 def test_three_short_runs_exit_cleanly(train_args):

@@ -37,6 +37,9 @@ from . import resume
 
 logger = logging.getLogger(__name__)
 
+#: the file fairseq's Trainer.train_step saves when an update fails, just before it raises
+CRASH_FILE = "crash.pt"
+
 
 class TrainerCheckpoints:
     """Mixin for ``FSDP2Trainer`` (before fairseq's Trainer in its bases): its attributes
@@ -90,6 +93,8 @@ class TrainerCheckpoints:
             if isinstance(state.get("cfg"), dict):  # the flag as asked (launch/run.py hid it)
                 state["cfg"]["checkpoint"]["write_checkpoints_asynchronously"] = True
             async_save.add_file(filename, state)
+            if os.path.basename(filename) == CRASH_FILE:
+                async_save.wait_pending()  # fairseq raises right after: the process would end
             return os.path.abspath(filename)
         with self._save_errors_reported():
             super().save_checkpoint(filename, python_numbers(extra_state))

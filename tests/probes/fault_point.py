@@ -10,7 +10,9 @@ when a machine dies). Phases:
   checkpoint_last.pt (rank 0 only writes files);
 - ``hang``: the rank stops (SIGSTOP) in forward, as a wedged process or host does;
 - ``oom``: raises torch.OutOfMemoryError in forward (what CUDA raises);
-- ``nan``: the loss of that update is NaN on that rank;
+- ``nan``: the loss of that update is NaN on that rank (and with checkpoints written in the
+  background, rank 0 takes 5 s more to write the files of a save in that update: fairseq's
+  crash.pt must not be lost when the process ends);
 - ``disk-full``: from that update on, files larger than 128 KiB cannot be written (EFBIG: what
   a full disk does to the next large write).
 With ``all``, the ranks write their pids to ``FAULT_DIR`` and the first rank to reach the point
@@ -22,6 +24,7 @@ import resource
 import shutil
 import signal
 import sys
+import threading
 import time
 
 import fairseq_cli.train  # first, as fairseq-train: it configures logging before other imports
@@ -56,6 +59,7 @@ def install() -> None:
     from fairseq.trainer import Trainer
     import fairseq.file_io
     import torch.distributed.checkpoint as dcp
+    from fairseq import checkpoint_utils
 
     state = {"update": 0}
     real_train_step = Trainer.train_step
@@ -80,6 +84,15 @@ def install() -> None:
             die()
         return result
     dcp.save = save
+
+    real_persistent_save = checkpoint_utils.torch_persistent_save
+
+    def persistent_save(*args, **kwargs):
+        if phase == "nan" and state["update"] == update and \
+                threading.current_thread() is not threading.main_thread():
+            time.sleep(5)  # longer than fairseq takes to re-run the update and raise
+        return real_persistent_save(*args, **kwargs)
+    checkpoint_utils.torch_persistent_save = persistent_save
 
     real_copyfile = shutil.copyfile
 

@@ -295,7 +295,7 @@ def test_16_bit_adam_moments_halve_the_optimizer_state():
     element instead of two 4-byte ones; during the optimizer step, the largest shard's moments
     are float32 as well (optimizer/adam_stats.py steps one parameter at a time). Stock
     legacy_ddp keeps fp16 moments with --fp16-adam-stats (FusedAdamV1 on GPUs); the plugin's
-    --bf16-adam-stats does nothing there."""
+    --bf16-adam-stats is FSDP2-only (training refuses it there; the estimate counts fp32)."""
     base = nllb_args("transformer_nllb_tiny")
 
     def setup(*flags, world=2):

@@ -101,6 +101,17 @@ def data_error(error: BaseException, data: Optional[str]) -> Optional[str]:
     return None
 
 
+def check_fsdp2_only_options(cfg) -> None:
+    """The plugin's options whose names do not say FSDP2 (``--bf16-adam-stats``,
+    ``--init-new-langs-from``), given to another backend, which would ignore them: refused."""
+    dt = cfg.distributed_training
+    for key, flag in (("bf16_adam_stats", "--bf16-adam-stats"),
+                      ("init_new_langs_from", "--init-new-langs-from")):
+        if getattr(dt, key, None):
+            raise OptionError(f"{flag} needs --ddp-backend fsdp2: --ddp-backend "
+                              f"{dt.ddp_backend} would ignore it")
+
+
 def check_other_backend_restore(cfg) -> None:
     """A run of another backend (legacy_ddp, ...) resuming an FSDP2 checkpoint with its
     optimizer state: fairseq gets the full weights (integration/registration.py's patch 8), but the

@@ -104,6 +104,7 @@ def set_up_run(cfg) -> bool:
                     "fairscale is not used")
         dt.ddp_backend = FSDP2_BACKEND
     if dt.ddp_backend != FSDP2_BACKEND:
+        preflight.check_fsdp2_only_options(cfg)
         preflight.check_other_backend_restore(cfg)
         return False
     if cfg.common.tpu:

@@ -121,7 +121,7 @@ def test_prediction_within_10_percent_of_measured_peak(big_vocab, tmp_path, name
 
 def shard_bytes_per_rank(shard_dir: Path, aliases=()) -> dict[int, dict[str, int]]:
     """Bytes of the tensors each rank held, by what they are ("model": parameters and buffers,
-    "optim": optimizer state), counted from the chunks each rank wrote to a DCP checkpoint.
+    "optim": optimizer state, "ema": --store-ema's EMA), counted from the chunks each rank wrote to a DCP checkpoint.
     ``aliases``: other names of a tied weight (one tensor in memory; shards of format version 1
     held it under every name, so they are skipped here)."""
     import torch.distributed.checkpoint as dcp
@@ -144,17 +144,18 @@ def shard_bytes_per_rank(shard_dir: Path, aliases=()) -> dict[int, dict[str, int
         nbytes = chunk.sizes.numel() * torch.empty((), dtype=md.properties.dtype).element_size()
         rank = int(info.relative_path.split("_")[2])  # __<rank>_0.distcp
         kind = index.fqn.split(".")[0]
-        found.setdefault(rank, {"model": 0, "optim": 0})[kind] += nbytes
+        found.setdefault(rank, {"model": 0, "optim": 0, "ema": 0})[kind] += nbytes
     return found
 
 
-@pytest.mark.parametrize("stats", [[], ["--fp16-adam-stats"]], ids=["fp32", "fp16-moments"])
+@pytest.mark.parametrize("stats", [[], ["--fp16", "--fp16-adam-stats", "--store-ema"]],
+                         ids=["fp32", "fp16-moments-and-ema"])
 def test_sharded_and_optimizer_bytes_equal_a_real_two_rank_checkpoint(corpus, tmp_path, stats):
-    """The estimator against reality, term by term: the bytes of parameter shards and of Adam's
-    state it predicts for each rank equal the bytes each rank of a real 2-rank FSDP2 run holds
-    (counted from the tensors it saved after one update), with Adam's moments in float32 and in
-    fp16. The tiny model has odd-sized dims: dim-0 shards are uneven and the ranks fall into
-    classes."""
+    """The estimator against reality, term by term: the bytes of parameter shards, of Adam's
+    state and of the EMA it predicts for each rank equal the bytes each rank of a real 2-rank
+    FSDP2 run holds (counted from the tensors it saved after one update): Adam's moments in
+    float32, and in fp16 beside an fp16 EMA (--fp16 --store-ema). The tiny model has odd-sized
+    dims: dim-0 shards are uneven and the ranks fall into classes."""
     from conftest import TINY_MODEL, TRAINING
     save = tmp_path / "ckpt"
     args = [str(corpus), "--user-dir", PLUGIN, *TINY_MODEL, *TRAINING, "--ddp-backend", "fsdp2",
@@ -179,6 +180,10 @@ def test_sharded_and_optimizer_bytes_equal_a_real_two_rank_checkpoint(corpus, tm
             # counters), on rank 0 only or split: at most their total
             assert 0 <= got["model"] - cls.breakdown["sharded"] <= buffers, \
                 (rank, got, cls.breakdown, buffers)
+            # the EMA: the float32 shards' elements in fp16 (and the buffers, as above)
+            predicted_ema = cls.breakdown["sharded"] // 2 if stats else 0
+            assert cls.breakdown["ema"] == predicted_ema, (rank, cls.breakdown)
+            assert 0 <= got["ema"] - predicted_ema <= buffers, (rank, got, cls.breakdown)
 
 
 # -- 2. the estimator on its own -------------------------------------------------------------
@@ -327,6 +332,36 @@ def test_16_bit_adam_moments_halve_the_optimizer_state():
     assert setup(*ddp, "--bf16", "--bf16-adam-stats", world=1).adam_stats == "fp32"
 
 
+def test_store_ema_adds_its_copy_of_the_weights():
+    """--store-ema: FSDP2 keeps the EMA of each rank's shards in the compute dtype (fp32 with
+    --ema-fp32); stock fairseq deep-copies the whole (halved) model, plus a float32 copy with
+    --ema-fp32 under --fp16. Nothing else changes, and the breakdown shows the EMA only when
+    there is one."""
+    base = nllb_args("transformer_nllb_tiny")
+    profiles = {}
+
+    def breakdown(*flags, world=2):
+        args = from_args.parse(base + list(flags))
+        precision = from_args.precision_of(args)
+        if precision not in profiles:
+            profiles[precision] = from_args.profile_for(args)
+        est = estimate(profiles[precision], from_args.setup_for(args, world))
+        return est, est.classes[0].breakdown
+    ddp = ["--ddp-backend", "legacy_ddp"]
+    for flags, world, per_element in ((["--fp16"], 2, 2), (["--fp16", "--ema-fp32"], 2, 4),
+                                      ([], 2, 4), ([*ddp, "--fp16"], 1, 2),
+                                      ([*ddp, "--fp16", "--ema-fp32"], 1, 2 + 4),
+                                      ([*ddp, "--ema-fp32"], 1, 4)):
+        plain_est, plain = breakdown(*flags, world=world)
+        est, with_ema = breakdown(*flags, "--store-ema", world=world)
+        elements = (next(iter(profiles.values())).total_params if ddp[1] in flags
+                    else plain["sharded"] // 4)
+        assert with_ema["ema"] == per_element * elements, (flags, with_ema)
+        assert plain["ema"] == 0 and {**with_ema, "ema": 0} == plain, flags
+        assert est.peak == plain_est.peak + with_ema["ema"]
+        assert "EMA (--store-ema)" in est.table() and "EMA" not in plain_est.table()
+
+
 def test_an_optimizer_it_does_not_model_is_counted_as_adam_and_said():
     (adam,) = cli.estimate_args(nllb_args("transformer_nllb_tiny"))
     (other,) = cli.estimate_args(nllb_args("transformer_nllb_tiny", "--optimizer", "adafactor"))
@@ -349,8 +384,8 @@ def test_layerdrop_is_planned_for_an_update_that_drops_no_layer():
 def test_cli_prints_the_breakdown(capsys):
     assert cli.main(nllb_args("transformer_nllb_600m", "--fp16", "--world-size", "8")) == 0
     out = capsys.readouterr().out
-    for _, label in CATEGORIES:
-        assert label in out
+    for key, label in CATEGORIES:
+        assert (label in out) == (key != "ema")  # the EMA's row: with --store-ema only
     assert "ranks 0-6" in out and "rank 7" in out and "peak per rank (GiB)" in out
     assert "fsdp2 x 8" in out and "fp16" in out and "CUDA" in out
     assert cli.main(nllb_args("transformer_nllb_600m", "--world-size", "1", "64")) == 0

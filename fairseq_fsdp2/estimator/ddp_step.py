@@ -21,6 +21,7 @@ def simulate_ddp(profile: ModelProfile, setup: Setup) -> Ledger:
     if master:
         led.add("sharded", P * 4)  # fairseq's FP16Optimizer: fp32 master copy
     led.add("optim", optimizer_state_bytes(setup, P))
+    led.add("ema", P * setup.ema_bytes)  # fairseq's EMA: a copy of the whole model
     led.add("other", profile.buffer_bytes)
     if setup.world_size > 1:
         led.add("comm", P * c)  # LegacyDistributedDataParallel's all-reduce buffer

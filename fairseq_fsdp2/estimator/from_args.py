@@ -73,6 +73,21 @@ def adam_stats_of(args) -> str:
     return "fp32"
 
 
+def ema_bytes_of(args) -> int:
+    """Bytes per parameter element that --store-ema's EMA holds between updates. FSDP2
+    (trainer/ema.py): a copy of the shards in the compute dtype, or float32 with --ema-fp32.
+    Stock fairseq's EMA: a deep copy of the model (in the compute dtype: fairseq halves the
+    model for --fp16/--bf16), and with --ema-fp32 a float32 copy of it as well (none when the
+    model is float32 already: ``Tensor.float()`` returns the tensor itself)."""
+    if not getattr(args, "store_ema", False):
+        return 0
+    compute = 4 if precision_of(args) == "fp32" else 2
+    fp32 = bool(getattr(args, "ema_fp32", False))
+    if backend_of(args) == "fsdp2":
+        return 4 if fp32 else compute
+    return compute + (4 if fp32 and compute != 4 else 0)
+
+
 def setup_for(args, world_size: int) -> Setup:
     replicate = args.replicate_degree or getattr(args, "fsdp2_replicate_degree", 1) or 1
     device = args.device or ("cpu" if getattr(args, "cpu", False) else "cuda")
@@ -92,7 +107,8 @@ def setup_for(args, world_size: int) -> Setup:
         no_sync=bool(getattr(args, "fsdp2_no_sync_micro_batches", False)),
         checkpoint_activations=bool(getattr(args, "checkpoint_activations", False)),
         memory_efficient_fp16=bool(getattr(args, "memory_efficient_fp16", False)),
-        tied_grad_buffer=tied_grad_buffer_on(args), adam_stats=adam_stats_of(args))
+        tied_grad_buffer=tied_grad_buffer_on(args), adam_stats=adam_stats_of(args),
+        ema_bytes=ema_bytes_of(args))
 
 
 def build_task(args):

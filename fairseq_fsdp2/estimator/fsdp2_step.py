@@ -133,6 +133,7 @@ class _FSDP2Step:
         if self.on_device:
             led.add("sharded", sharded)
             led.add("optim", optimizer_state_bytes(s, sharded // 4))
+            led.add("ema", sharded // 4 * s.ema_bytes)  # beside the shards (trainer/ema.py)
         led.add("other", p.buffer_bytes)
         if s.update_freq > 1:  # gradients carried over from the earlier micro-batches
             if s.no_sync:

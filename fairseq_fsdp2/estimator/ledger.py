@@ -21,7 +21,10 @@ CATEGORIES = (
     ("loss", "logits/loss temporaries"),
     ("comm", "communication buffers"),
     ("other", "other"),
+    ("ema", "EMA (--store-ema)"),
 )
+#: categories printed only when some rank holds bytes of them
+OPTIONAL_CATEGORIES = frozenset({"ema"})
 
 
 @dataclass
@@ -47,6 +50,7 @@ class Setup:
     memory_efficient_fp16: bool = False
     tied_grad_buffer: bool = False  # --fsdp2-tied-grad-buffer: one gradient for all uses
     adam_stats: str = "fp32"  # Adam's moments between steps: fp16/bf16 (--fp16/--bf16-adam-stats)
+    ema_bytes: int = 0  # --store-ema: bytes of the EMA per parameter element (0: no EMA)
 
 
 class Ledger:

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 from .ddp_step import simulate_ddp
 from .fsdp2_step import simulate_fsdp2
-from .ledger import CATEGORIES, OPTIMIZER_STATES, Setup, unit_sizes
+from .ledger import CATEGORIES, OPTIMIZER_STATES, OPTIONAL_CATEGORIES, Setup, unit_sizes
 from .model_profile import BACKENDS, ModelProfile, Workload
 
 GIB = 1024 ** 3
@@ -180,12 +180,20 @@ def describe_setup(setup: Setup) -> str:
     optimizer = setup.optimizer
     if optimizer == "adam" and setup.adam_stats != "fp32":
         optimizer += f" ({setup.adam_stats} moments)"
-    return f"{head}, {setup.precision}, {optimizer}, {loss}, {setup.device}"
+    ema = f", EMA {setup.ema_bytes} bytes/parameter" if setup.ema_bytes else ""
+    return f"{head}, {setup.precision}, {optimizer}{ema}, {loss}, {setup.device}"
+
+
+def shown_categories(estimates: list[Estimate]) -> list[tuple[str, str]]:
+    """The categories to print: every one, but an optional one that no rank holds."""
+    return [(key, label) for key, label in CATEGORIES
+            if key not in OPTIONAL_CATEGORIES
+            or any(c.breakdown.get(key, 0) for est in estimates for c in est.classes)]
 
 
 def format_estimate(est: Estimate) -> str:
     rows = [("category",) + tuple(_ranks_label(c.ranks) for c in est.classes)]
-    for key, label in CATEGORIES:
+    for key, label in shown_categories([est]):
         rows.append((label,) + tuple(f"{c.breakdown.get(key, 0) / GIB:.3f}" for c in est.classes))
     rows.append(("peak per rank (GiB)",) + tuple(f"{c.peak_gb:.3f}" for c in est.classes))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -201,17 +209,20 @@ def format_estimate(est: Estimate) -> str:
     return "\n".join(lines)
 
 
+#: format_summary's column names, where not the category's key
+SHORT_LABELS = {"loss": "logits", "ema": "EMA"}
+
+
 def format_summary(estimates: list[Estimate]) -> str:
     """One row per world size: the largest rank class's peak and breakdown."""
-    rows = [("ranks", "peak/rank GiB", "sharded", "gathered", "grads", "optim", "acts",
-             "logits", "comm", "other", "peak at")]
+    keys = [key for key, _ in shown_categories(estimates)]
+    rows = [("ranks", "peak/rank GiB",
+             *(SHORT_LABELS.get(key, key) for key in keys), "peak at")]
     for est in estimates:
         top = est.classes[0]
         b = top.breakdown
         rows.append((str(est.setup.world_size), f"{top.peak_gb:.2f}",
-                     *(f"{b[k] / GIB:.2f}" for k in ("sharded", "gathered", "grads", "optim",
-                                                     "acts", "loss", "comm", "other")),
-                     top.moment))
+                     *(f"{b[k] / GIB:.2f}" for k in keys), top.moment))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"predicted per-rank peak (largest rank class): "
              f"{describe_setup(estimates[0].setup).replace(' x 1,', ',')}"]

@@ -80,10 +80,7 @@ def broadcast_full_model(model: torch.nn.Module, full: Optional[Mapping], descri
             else:
                 value = torch.empty(target.shape, dtype=target.dtype, device=device)
             dist.broadcast(value, src=0)
-            if isinstance(target, DTensor):
-                value = distribute_tensor(value, target.device_mesh, target.placements,
-                                          src_data_rank=None)
-            target.copy_(value)  # copy_ crosses devices (an offloaded shard: to the CPU)
+            copy_into_shard(target, value)
             del value
 
 
@@ -101,9 +98,15 @@ def copy_full_state(own: Mapping[str, torch.Tensor], full: Mapping) -> list[str]
             if tuple(value.shape) != tuple(target.shape):
                 raise CheckpointError(f"{key}: checkpoint {tuple(value.shape)} vs model "
                                       f"{tuple(target.shape)}")
-            value = value.to(target.device, target.dtype)
-            if isinstance(target, DTensor):
-                value = distribute_tensor(value, target.device_mesh, target.placements,
-                                          src_data_rank=None)
-            target.copy_(value)
+            copy_into_shard(target, value.to(target.device, target.dtype))
     return missing
+
+
+def copy_into_shard(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy a full tensor that every rank holds into ``target``: its own shard of a DTensor
+    (cut locally, no communication), or the whole of a plain tensor. ``copy_`` crosses
+    devices (an offloaded shard: to the CPU)."""
+    if isinstance(target, DTensor):
+        value = distribute_tensor(value, target.device_mesh, target.placements,
+                                  src_data_rank=None)
+    target.copy_(value)

@@ -164,10 +164,16 @@ def saved_shapes(metadata) -> dict:
             for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
 
 
+def model_shapes(model: nn.Module) -> dict[str, tuple]:
+    """The shapes of the model's state by name, every alias of a tied weight included (of the
+    full tensors: a DTensor's shape is the unsharded one)."""
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
 def check_model_matches(model: nn.Module, saved: dict, checkpoint_file: str) -> None:
     """Refuse a checkpoint of another model config, naming the first mismatches.
     ``saved``: name -> shape of what the checkpoint holds (tied aliases may be absent)."""
-    ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # with aliases
+    ours = model_shapes(model)
     needed = _canonical_state(model).keys()  # each tied weight once
     problems = []
     for key in sorted(set(saved) | set(needed)):

@@ -239,7 +239,7 @@ class TrainerCheckpoints:
     def _pretrained_weights(self, filename):
         """Rank 0: the full model's tensors by fairseq name, memory-mapped; the shared
         embedding grown when the dictionary has more entries (grow_embedding.py)."""
-        shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+        shapes = sharded.model_shapes(self.model)
         symbols = self.task.source_dictionary.symbols
         known = None  # the checkpoint's own dictionary, looked for if the embedding grows
         if hf_nllb.is_hf_source(filename):  # its tokenizer's rows checked here
@@ -265,7 +265,7 @@ class TrainerCheckpoints:
                 os.path.abspath(source) == os.path.abspath(filename) and
                 getattr(self.cfg.model, "share_all_embeddings", False)):
             return False
-        shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+        shapes = sharded.model_shapes(self.model)
         rows = more_rows(shapes, saved)
         if rows is not None and rows[0] > rows[1]:
             raise CheckpointError(smaller_dictionary(rows[1], rows[0], filename))

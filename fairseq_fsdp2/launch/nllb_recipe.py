@@ -127,9 +127,9 @@ class OneLineParser(argparse.ArgumentParser):
         die(message)
 
 
-def build_parser(environ: Optional[dict] = None) -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     """The script's options; each takes its default from its environment variable."""
-    environ = os.environ if environ is None else environ
+    environ = os.environ
     parser = OneLineParser(
         prog="scripts/finetune_nllb.sh", allow_abbrev=False, description=DESCRIPTION,
         epilog=EPILOG, formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(
@@ -144,13 +144,12 @@ def build_parser(environ: Optional[dict] = None) -> argparse.ArgumentParser:
     return parser
 
 
-def parse(argv: Sequence[str], environ: Optional[dict] = None) -> tuple[argparse.Namespace,
-                                                                         list[str]]:
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     """The options, and what follows ``--`` (for fairseq-train)."""
     argv = list(argv)
     own, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv \
         else (argv, [])
-    opts, unknown = build_parser(environ).parse_known_args(own)
+    opts, unknown = build_parser().parse_known_args(own)
     if unknown:
         die(f"unknown argument '{unknown[0]}' (fairseq-train flags go after --; see --help)")
     return opts, extra
@@ -255,9 +254,9 @@ def say(line: str) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     opts, extra = parse(sys.argv[1:] if argv is None else argv)
     check(opts)
-    if not opts.CPU:
-        opts.CPU = "0" if gpus() else "1"
-    opts.NPROC = opts.NPROC or ("2" if opts.CPU == "1" else str(gpus()))
+    found = gpus() if opts.CPU != "1" else 0  # nvidia-smi once, and not for --cpu
+    opts.CPU = opts.CPU or ("0" if found else "1")
+    opts.NPROC = opts.NPROC or ("2" if opts.CPU == "1" else str(found))
     opts.PRECISION = opts.PRECISION or ("fp32" if opts.CPU == "1" else "fp16")
     flags = train_flags(opts, extra)
     bin_dir = ROOT / ".venv" / "bin"

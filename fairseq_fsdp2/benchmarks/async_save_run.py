@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from ..estimator.from_args import build_meta_model, parse
-from .harness import (SEQ, launch, make_corpus, parse_records, replace_section, train_args,
+from .harness import (launch, measured_or_saved, parse_records, replace_section, train_args,
                       versions)
 
 BEGIN, END = "<!-- async-save: begin -->", "<!-- async-save: end -->"
@@ -150,13 +150,7 @@ def report(rows: dict, info: dict, setup: dict) -> str:
 def main(args: argparse.Namespace, command: str) -> int:
     """Run both (or, with --report-only, reload them), replace the section of --out, save the
     rows (benchmark_async_save.json in --work); ``command`` is what the report records."""
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    if args.report_only:
-        saved = json.loads(Path(args.report_only).read_text())
-    else:
-        sentences = args.updates * args.ranks * (args.max_tokens // SEQ) + 400
-        data = make_corpus(work / f"corpus{sentences}", sentences)
+    def measure(data: Path, work: Path) -> dict:
         model = build_meta_model(parse(training(data, work / "x", args, False)))
         setup = {**{k: getattr(args, k) for k in ("ranks", "layers", "dim", "max_tokens",
                                                    "updates", "save_every")},
@@ -166,8 +160,9 @@ def main(args: argparse.Namespace, command: str) -> int:
         del model
         rows = {name: run(name, data, work, args, name == "async")
                 for name in ("sync", "async")}
-        saved = {"rows": rows, "setup": setup}
-        (work / "benchmark_async_save.json").write_text(json.dumps(saved, indent=1))
+        return {"rows": rows, "setup": setup}
+
+    saved = measured_or_saved(args, "benchmark_async_save.json", measure)
     text = report(saved["rows"], versions(), saved["setup"])
     replace_section(Path(args.out), BEGIN, END, text)
     print(text)

@@ -196,6 +196,20 @@ def _has(dist: str) -> bool:
         return False
 
 
+def measured_or_saved(args, saved_name: str, measure: Callable[[Path, Path], dict]) -> dict:
+    """What a benchmark reports: with --report-only FILE, what an earlier run saved there;
+    else ``measure(data, work)`` on a corpus large enough for ``args``' updates, ranks and
+    tokens (no epoch ends mid-benchmark), saved as WORK/``saved_name`` for --report-only."""
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    if args.report_only:
+        return json.loads(Path(args.report_only).read_text())
+    sentences = args.updates * args.ranks * (args.max_tokens // SEQ) + 400
+    saved = measure(make_corpus(work / f"corpus{sentences}", sentences), work)
+    (work / saved_name).write_text(json.dumps(saved, indent=1))
+    return saved
+
+
 def replace_section(path: Path, begin: str, end: str, text: str) -> None:
     """Put ``text`` (which starts with ``begin`` and ends with ``end``) in place of that
     section of ``path``, or at its end."""

@@ -13,13 +13,12 @@ parses the arguments (main's ``args``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
 
-from .harness import (NLLB_600M, SEQ, launch, make_corpus, parse_records, replace_section,
-                      train_args, versions)
+from .harness import (NLLB_600M, SEQ, launch, measured_or_saved, parse_records,
+                      replace_section, train_args, versions)
 
 BEGIN, END = "<!-- nllb-600m: begin -->", "<!-- nllb-600m: end -->"
 RECIPE_CHUNK = 256  # scripts/finetune_nllb.sh's --loss-chunk-tokens default
@@ -118,17 +117,10 @@ def report(row: dict, info: dict) -> str:
 def main(args: argparse.Namespace, command: str) -> int:
     """Run (or, with --report-only, reload) the row, replace its section of --out, save the
     row (benchmark_nllb600m.json in --work); ``command`` is what the report records."""
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    if args.report_only:
-        row = json.loads(Path(args.report_only).read_text())
-    else:
-        sentences = args.updates * args.ranks * (args.max_tokens // SEQ) + 400
-        data = make_corpus(work / f"corpus{sentences}", sentences)
-        row = run(data, work, args)
-        row["command"] = command
-        row["date"] = time.strftime("%Y-%m-%d")
-        (work / "benchmark_nllb600m.json").write_text(json.dumps(row, indent=1))
+    def measure(data: Path, work: Path) -> dict:
+        return {**run(data, work, args), "command": command, "date": time.strftime("%Y-%m-%d")}
+
+    row = measured_or_saved(args, "benchmark_nllb600m.json", measure)
     text = report(row, versions())
     replace_section(Path(args.out), BEGIN, END, text)
     print(text)

@@ -14,18 +14,10 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$root/scripts/demo_lib.sh"
 out="${DEMO_OUTPUT:-$root/demo_output}"
 start=$SECONDS
-step() { echo "[demo] step $1/5: $2"; }
-
-step 1 "environment (scripts/setup.sh)"
-bash "$root/scripts/setup.sh"
-py="$root/.venv/bin/python"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
-rm -rf "$out"
-mkdir -p "$out"
+demo_begin "$out"
 
 pairs="eng_Latn-fra_Latn,eng_Latn-deu_Latn"
 step 2 "numbers corpus ($pairs; 4000 training pairs each, 200 held-out valid/test numbers) -> $out/raw"
-quiet() { grep -v tensorboardX >&2 || true; }  # fairseq's import-time notice, not ours
 bash "$root/scripts/prepare_data.sh" --numbers "$out/raw" --lang-pairs "$pairs" \
   --n-train 4000 --n-valid 200 --n-test 200 > /dev/null 2> >(quiet)
 
@@ -43,15 +35,9 @@ show='
   plan { print "[demo]   " $0; next }
   / \| (train_inner|valid|fairseq_fsdp2[._a-z]*) \| / { print "[demo]   " $0; next }
   /^\[finetune_nllb\]|done training|[Ee]rror|Traceback/ { print "[demo]   " $0 }'
-if ! bash "$root/scripts/finetune_nllb.sh" --data "$out/data" --model-size tiny --cpu --nproc 2 \
-    --save-dir "$out/checkpoints" --max-update 200 --max-tokens 4000 --lr 4e-3 \
-    --warmup-updates 30 --root-reshard always --log-interval 40 --seed 1 \
-    -- --clip-norm 1.0 --no-epoch-checkpoints --log-format simple 2>&1 \
-    | tee "$out/train.log" | awk "$show"; then
-  echo "[demo] training failed; the end of $out/train.log:" >&2
-  tail -n 30 "$out/train.log" >&2
-  exit 1
-fi
+demo_train "$out/train.log" "$show" --data "$out/data" --save-dir "$out/checkpoints" \
+  --max-update 200 --lr 4e-3 --warmup-updates 30 --log-interval 40 \
+  -- --clip-norm 1.0 --no-epoch-checkpoints --log-format simple || exit 1
 "$py" - "$out/checkpoints/memory.jsonl" <<'EOF'
 import json, sys
 last = [json.loads(line) for line in open(sys.argv[1])][-1]

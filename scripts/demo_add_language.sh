@@ -18,28 +18,10 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$root/scripts/demo_lib.sh"
 out="${DEMO_OUTPUT:-$root/demo_add_language_output}"
 start=$SECONDS
-step() { echo "[demo] step $1/5: $2"; }
-quiet() { grep -v tensorboardX >&2 || true; }  # fairseq's import-time notice, not ours
-
-step 1 "environment (scripts/setup.sh)"
-bash "$root/scripts/setup.sh"
-py="$root/.venv/bin/python"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
-rm -rf "$out"
-mkdir -p "$out"
+demo_begin "$out"
 show='/predicted per-rank memory/ { next }
       / \| (train_inner|fairseq_fsdp2[._a-z]*) \| / { print "[demo]   " $0; next }
       /^\[finetune_nllb\]|[Ee]rror|Traceback/ { print "[demo]   " $0 }'
-train() {  # scripts/finetune_nllb.sh on 2 CPU ranks; the lines worth watching, all in $1
-  local log="$1"; shift
-  if ! bash "$root/scripts/finetune_nllb.sh" --model-size tiny --cpu --nproc 2 \
-      --max-tokens 4000 --root-reshard always --seed 1 "$@" 2>&1 | tee "$log" \
-      | awk "$show"; then
-    echo "[demo] training failed; the end of $log:" >&2
-    tail -n 30 "$log" >&2
-    exit 1
-  fi
-}
 
 step 2 "the pretrained model: numbers in eng_Latn, fra_Latn, deu_Latn, 200 updates"
 bash "$root/scripts/prepare_data.sh" --numbers "$out/raw_base" \
@@ -48,10 +30,10 @@ bash "$root/scripts/prepare_data.sh" --numbers "$out/raw_base" \
 bash "$root/scripts/prepare_data.sh" "$out/raw_base" "$out/data_base" --vocab-size 300 \
   --quiet 2> >(quiet)
 # no validation, one save at the end: the numbers' epochs are a few updates long
-train "$out/train_base.log" --data "$out/data_base" --save-dir "$out/pretrained" \
+demo_train "$out/train_base.log" "$show" --data "$out/data_base" --save-dir "$out/pretrained" \
   --max-update 200 --lr 4e-3 --warmup-updates 30 --log-interval 100 \
   -- --clip-norm 1.0 --disable-validation --save-interval 1000 --no-epoch-checkpoints \
-  --log-format simple
+  --log-format simple || exit 1
 pretrained="$out/pretrained/checkpoint_last_consolidated.pt"
 
 step 3 "add lat_Latn and Latin pieces to its vocabulary (prepare_data.sh --add-langs --train-pieces)"
@@ -70,11 +52,11 @@ for name, path in (("the pretrained model's", sys.argv[1]), ("grown", sys.argv[2
 EOF
 
 step 4 "fine-tune on eng_Latn-lat_Latn from the pretrained checkpoint, 2 CPU ranks, FSDP2"
-train "$out/train_lat.log" --data "$out/data_lat" --pretrained "$pretrained" \
+demo_train "$out/train_lat.log" "$show" --data "$out/data_lat" --pretrained "$pretrained" \
   --save-dir "$out/checkpoints" --max-update 150 --lr 3e-3 --warmup-updates 20 \
   --log-interval 50 \
   -- --clip-norm 1.0 --disable-validation --save-interval 1000 --no-epoch-checkpoints \
-  --log-format simple --init-new-langs-from lat_Latn=fra_Latn
+  --log-format simple --init-new-langs-from lat_Latn=fra_Latn || exit 1
 
 ckpt="$out/checkpoints/checkpoint_last_consolidated.pt"
 step 5 "stock fairseq-generate (no --user-dir) on $(basename "$ckpt"), eng_Latn -> lat_Latn"

@@ -1,6 +1,35 @@
-# Shared by scripts/demo.sh and scripts/demo_add_language.sh (sourced, not run): stock
-# fairseq-generate (no --user-dir) on a consolidated checkpoint, then sacreBLEU and a few
-# translations.
+# Shared by scripts/demo.sh and scripts/demo_add_language.sh (sourced, not run): their first
+# step, training through scripts/finetune_nllb.sh, and stock fairseq-generate (no --user-dir) on
+# a consolidated checkpoint, then sacreBLEU and a few translations.
+demo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+step() { echo "[demo] step $1/5: $2"; }
+quiet() { grep -v tensorboardX >&2 || true; }  # fairseq's import-time notice, not ours
+
+#   demo_begin OUT: step 1 (the environment, scripts/setup.sh), then OUT emptied; sets py
+demo_begin() {
+  step 1 "environment (scripts/setup.sh)"
+  bash "$demo_root/scripts/setup.sh"
+  py="$demo_root/.venv/bin/python"
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
+  rm -rf "$1"
+  mkdir -p "$1"
+}
+
+#   demo_train LOG SHOW ARGS...: scripts/finetune_nllb.sh ARGS, the tiny model on 2 CPU ranks;
+#   its whole output in LOG, the lines the awk program SHOW picks on stdout, LOG's end if it fails
+demo_train() {
+  local log="$1" show="$2"
+  shift 2
+  if ! bash "$demo_root/scripts/finetune_nllb.sh" --model-size tiny --cpu --nproc 2 \
+      --max-tokens 4000 --root-reshard always --seed 1 "$@" 2>&1 | tee "$log" \
+      | awk "$show"; then
+    echo "[demo] training failed; the end of $log:" >&2
+    tail -n 30 "$log" >&2
+    return 1
+  fi
+}
+
 #   demo_generate PY DATA CKPT LANG_PAIRS SRC TGT OUT_TXT LOG
 demo_generate() {
   local py="$1" data="$2" ckpt="$3" pairs="$4" src="$5" tgt="$6" out_txt="$7" log="$8"

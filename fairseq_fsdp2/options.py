@@ -112,6 +112,7 @@ class FSDP2DistributedTrainingConfig(DistributedTrainingConfig):
 PLUGIN_OPTIONS = frozenset(FSDP2DistributedTrainingConfig.__dataclass_fields__) - frozenset(
     DistributedTrainingConfig.__dataclass_fields__)
 
+# models/nllb_languages.py's LANG_CODE (options are below models in the layers)
 _LANG_CODE = re.compile(r"^[a-z]{3}_[A-Z][a-z]{3}$")
 #: the key of new_lang_sources for "every new language"
 EVERY_NEW_LANG = "*"

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import glob
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
@@ -28,16 +27,10 @@ import torch
 from ..data.grow_vocab import GROWTH_FILE, read_record
 from ..errors import CheckpointError
 from ..hf.nllb_weights import FAIRSEQ_EMBEDDING
+from ..models.nllb_languages import lang_of_token
 from ..options import EVERY_NEW_LANG
 
 _CHUNK_ROWS = 16384  # rows summed at a time for the mean (a float64 copy of this many rows)
-
-
-_LANG_TOKEN = re.compile(r"^__[a-z]{3}_[A-Z][a-z]{3}__$")
-
-
-def is_lang_token(token: str) -> bool:
-    return bool(_LANG_TOKEN.match(token))
 
 
 def more_rows(own: dict, saved: dict) -> Optional[tuple[int, int]]:
@@ -142,8 +135,8 @@ class RowPlan:
 def plan_rows(symbols: Sequence[str], old_rows: int, sources: dict) -> RowPlan:
     """The RowPlan for ``--init-new-langs-from`` (``sources``: options.new_lang_sources)."""
     index = {s: i for i, s in enumerate(symbols)}
-    new_langs = {symbols[r][2:-2]: r for r in range(old_rows, len(symbols))
-                 if is_lang_token(symbols[r])}
+    new_langs = {code: r for r in range(old_rows, len(symbols))
+                 if (code := lang_of_token(symbols[r]))}
     copies = {}
     for new, origin in sources.items():
         row = index.get(f"__{origin}__")

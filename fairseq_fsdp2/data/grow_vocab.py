@@ -26,10 +26,10 @@ from typing import Optional, Sequence
 
 from ..hf.tokenizer_files import DATA_SUBDIR, TokenizerError, write_tokenizer
 from ..hf.vocab import FILLER, dictionary_for
-from ..models.nllb_languages import NLLB200_LANGS
+from ..models.nllb_languages import NLLB200_LANGS, lang_of_token
 from .dictionary import FAIRSEQ_SPECIALS, lang_token, padding_lines, read_dict_lines, \
     read_dict_tokens
-from .inputs import LANG_CODE, PrepareError, check_code
+from .inputs import PrepareError, check_code
 from .spm_model import add_pieces, model_type, normal_pieces, read_model, read_pieces_file, \
     train_spm
 
@@ -122,7 +122,7 @@ def base_vocabulary(hf_model: Optional[Path], spm_model: Optional[Path],
             raise PrepareError(f"--model-rows {model_rows} is fewer than the dictionary's "
                                f"{entries} entries")
         lines += [f"{FILLER.format(row)} 0" for row in range(entries, model_rows)]
-    langs = [t[2:-2] for t in tokens if t.startswith("__") and LANG_CODE.match(t[2:-2])]
+    langs = [code for t in tokens if (code := lang_of_token(t))]
     return BaseVocabulary(lines, langs, Path(spm_model), f"--dict {dictionary}")
 
 
@@ -193,8 +193,7 @@ def write_outputs(growth: Growth, model: Path, dest: Path) -> None:
                                     + "\n", encoding="utf-8")
     if growth.base.hf_dir is not None:
         tokens = [*FAIRSEQ_SPECIALS, *(line.split(" ")[0] for line in growth.dictionary_lines())]
-        rows = [t[2:-2] if t.startswith("__") and LANG_CODE.match(t[2:-2]) else t
-                for t in tokens]  # HF's names: xxx_Latn for __xxx_Latn__
+        rows = [lang_of_token(t) or t for t in tokens]  # HF's names: xxx_Latn for __xxx_Latn__
         try:
             write_tokenizer(growth.base.hf_dir, dest / DATA_SUBDIR, model, rows,
                             langs=growth.langs, pieces=growth.pieces)

@@ -7,10 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Collection, Sequence
 
-from ..models.nllb_languages import NLLB200_LANGS
+from ..models.nllb_languages import LANG_CODE, NLLB200_LANGS
 
 SPLITS = ("train", "valid", "test")
-LANG_CODE = re.compile(r"^[a-z]{3}_[A-Z][a-z]{3}$")
 RAW_NAME = re.compile(
     r"^(?P<split>train|valid|test)\.(?P<src>[^.]+)-(?P<tgt>[^.]+)\.(?P<lang>[^.]+)$")
 

@@ -14,17 +14,15 @@ A fairseq dictionary whose every entry sits on that row makes the weights usable
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..models.nllb_languages import NLLB200_LANGS
+from ..models.nllb_languages import LANG_CODE, NLLB200_LANGS, lang_of_token
 
 SPM_FILE = "sentencepiece.bpe.model"
 CONFIG_FILE = "config.json"
 SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")  # fairseq's and HF's rows 0-3
 FILLER = "madeupword{:04d}"  # fairseq's own name for rows that hold no token
-LANG_CODE = re.compile(r"^[a-z]{3}_[A-Z][a-z]{3}$")
 
 
 def model_dir(path: Path) -> Path:
@@ -106,7 +104,7 @@ def dictionary_lines(expected: Sequence[Optional[str]]) -> list[str]:
 
 def languages(expected: Sequence[Optional[str]]) -> list[str]:
     """The language codes of the rows, in row order."""
-    return [t[2:-2] for t in expected if t and t.startswith("__") and LANG_CODE.match(t[2:-2])]
+    return [code for t in expected if t and (code := lang_of_token(t))]
 
 
 def dictionary_problem(source: Path, symbols: Sequence[str], rows: int) -> Optional[str]:

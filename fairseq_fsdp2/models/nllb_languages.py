@@ -1,4 +1,21 @@
-"""The languages of NLLB-200: their codes, in the order of their tokens in its dictionary."""
+"""The languages of NLLB-200: their codes, in the order of their tokens in its dictionary, and
+the form of a code (``eng_Latn``) and of its token in fairseq's dictionary (``__eng_Latn__``)."""
+import re
+from typing import Optional
+
+#: an NLLB-style language code: ISO 639-3 + '_' + ISO 15924 script (options.py, below this layer,
+#: checks --init-new-langs-from with its own copy)
+LANG_CODE = re.compile(r"^[a-z]{3}_[A-Z][a-z]{3}$")
+
+
+def lang_of_token(token: str) -> Optional[str]:
+    """The language code of a language token of fairseq's dictionary (``__eng_Latn__`` ->
+    ``eng_Latn``), or None for any other token."""
+    if len(token) > 4 and token.startswith("__") and token.endswith("__") and \
+            LANG_CODE.match(token[2:-2]):
+        return token[2:-2]
+    return None
+
 
 # The 202 NLLB-200 language codes in the order of their tokens in the NLLB-200 dictionary
 # (the same order as FAIRSEQ_LANGUAGE_CODES of Hugging Face's NllbTokenizer).

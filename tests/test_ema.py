@@ -32,7 +32,6 @@ from fairseq import checkpoint_utils
 from fairseq.dataclass.configs import EMAConfig
 from fairseq.models.ema import EMA
 
-from conftest import REPO
 from launcher import run_command
 from numerics import (FP32_REORDERED, U16, U32, ZERO_GRADIENT_SUFFIXES, adam_drift_bound,
                       adam_step_bound)

@@ -338,14 +338,12 @@ def test_store_ema_adds_its_copy_of_the_weights():
     --ema-fp32 under --fp16. Nothing else changes, and the breakdown shows the EMA only when
     there is one."""
     base = nllb_args("transformer_nllb_tiny")
-    profiles = {}
+    profiles = {precision: from_args.profile_for(from_args.parse(base + flags))
+                for precision, flags in (("fp16", ["--fp16"]), ("fp32", []))}
 
     def breakdown(*flags, world=2):
         args = from_args.parse(base + list(flags))
-        precision = from_args.precision_of(args)
-        if precision not in profiles:
-            profiles[precision] = from_args.profile_for(args)
-        est = estimate(profiles[precision], from_args.setup_for(args, world))
+        est = estimate(profiles[from_args.precision_of(args)], from_args.setup_for(args, world))
         return est, est.classes[0].breakdown
     ddp = ["--ddp-backend", "legacy_ddp"]
     for flags, world, per_element in ((["--fp16"], 2, 2), (["--fp16", "--ema-fp32"], 2, 4),
@@ -354,8 +352,7 @@ def test_store_ema_adds_its_copy_of_the_weights():
                                       ([*ddp, "--ema-fp32"], 1, 4)):
         plain_est, plain = breakdown(*flags, world=world)
         est, with_ema = breakdown(*flags, "--store-ema", world=world)
-        elements = (next(iter(profiles.values())).total_params if ddp[1] in flags
-                    else plain["sharded"] // 4)
+        elements = profiles["fp32"].total_params if ddp[1] in flags else plain["sharded"] // 4
         assert with_ema["ema"] == per_element * elements, (flags, with_ema)
         assert plain["ema"] == 0 and {**with_ema, "ema": 0} == plain, flags
         assert est.peak == plain_est.peak + with_ema["ema"]

@@ -110,21 +110,6 @@ def adam_step_bound(step: int, betas=(0.9, 0.999)) -> float:
         math.sqrt(1 - b2 ** step) / (1 - b1 ** step)
 
 
-def adam_drift_bound(lr: float, updates: int, betas=(0.9, 0.999)) -> float:
-    """How far apart two Adam runs can take one parameter element in ``updates`` steps when its
-    gradient is rounding noise: a parameter whose exact gradient is zero (a key projection's
-    bias: softmax ignores a constant added to every key score) gets a float gradient made of
-    rounding errors that depend on reduction order and the CPU's kernels; Adam normalises it to
-    lr-sized steps in directions the two runs do not share. Each run moves at most
-    lr x adam_step_bound(t) at step t, in opposite directions at worst."""
-    return 2 * lr * sum(adam_step_bound(t, betas) for t in range(1, updates + 1))
-
-
-#: Parameters whose exact gradient is zero in a fairseq transformer: the key projections'
-#: biases (adding b to every key adds q.b to every score of a query, which softmax removes).
-ZERO_GRADIENT_SUFFIXES = ("k_proj.bias",)
-
-
 #: Stored-moment rounding (optimizer/adam_stats.py), per store, relative to the value stored:
 #: fp16 after fairseq's scaling: the division, fp16's rounding and the multiplication back,
 #: U16 + 3 x U32 (fp16's underflow, below 2^-24 of the scale, is an absolute error: see
@@ -159,3 +144,51 @@ def moment_rounding_step_error(u: float, step: int, betas=(0.9, 0.999)) -> float
     first = u * cauchy * carried * math.sqrt(1 - b2 ** step) / (1 - b1 ** step)
     second = (step - 1) * u / 2 * adam_step_bound(step, betas)
     return first + second
+
+
+#: Plain SGD (no momentum): the two runs' updates are lr x their clipped gradients, with no
+#: per-element normalisation, so an element whose gradient is rounding noise (a ReLU unit whose
+#: gradient cancels, a key projection's bias) moves by lr x that noise in both runs, not by an
+#: lr-sized step as under Adam. The comparisons of weights across backends therefore train with
+#: SGD: what separates the runs is bounded by their gradients' rounding, on any CPU.
+#:
+#: How far the weights may then go apart (``sgd_reordered_bound``), per update t of T:
+#: - the gradients' sums are associated in another order (FP32_REORDERED relative to the terms'
+#:   magnitude, bounded by the update's clipped gradient 2-norm s_t = min(gnorm_t, clip), which
+#:   bounds every element of the clipped gradient), and the clipping coefficient clip / gnorm is
+#:   computed from a norm summed in another order (FP32_REORDERED relative again, of an element at
+#:   most s_t): the steps differ by at most 2 x FP32_REORDERED x lr x s_t;
+#: - each run rounds w - lr x g to float32: U32 x |w| each, |w| at most the final |w| plus the
+#:   steps still to come (lr x the sum of s);
+#: - the runs' weights differ, so their next gradients differ by the Hessian times that
+#:   difference: with L the largest curvature along the way, each update multiplies the
+#:   difference by at most (1 + lr x L), e^(lr x L x T) over the run. SGD_CURVATURE bounds L for
+#:   conftest's tiny model (a property of the model and data, not of a CPU).
+#: A wrong gradient (a missed term, a wrong scale of part of a tensor) moves its elements by
+#: lr x T x its size, orders of magnitude above, wherever the gradient is not tiny.
+#:
+#: SGD_CURVATURE: the tiny model's largest Hessian eigenvalue in magnitude at its seed-1
+#: initialisation, on 4 of the test corpus's batches of 200 tokens (the loss per token, as
+#: fairseq divides it), by power iteration on Hessian-vector products: -8.21 (float32 and
+#: float64 alike to 3 digits, 2026-12-04; a property of the model and data, which a CPU changes
+#: only by rounding); 100 is the bound used (e^(1e-3 x 100 x 10) = 2.7 for 10 updates at lr
+#: 1e-3). 10 SGD updates at lr 1e-3 move no weight far enough to raise it 12-fold.
+SGD_CURVATURE = 100.0
+
+
+def sgd_reordered_bound(lr: float, step_norms, weights):
+    """Elementwise bound on |w_a - w_b| after len(step_norms) plain-SGD updates of two float32
+    runs from the same weights on the same batches whose sums are associated in other orders
+    (comment above). ``step_norms``: each update's clipped gradient norm min(gnorm, clip) (an
+    upper bound of it: a printed gnorm plus its half unit); ``weights``: one run's final weights
+    (a tensor)."""
+    steps = len(step_norms)
+    moved = lr * sum(step_norms)
+    growth = math.exp(lr * SGD_CURVATURE * steps)
+    return growth * (2 * FP32_REORDERED * moved + 2 * steps * U32 * (weights.abs() + moved))
+
+
+def clipped_norms(printed_gnorms, clip: float) -> list[float]:
+    """Upper bounds of each update's clipped gradient norm, min(gnorm, clip), from the gnorm
+    fairseq printed (the norm before clipping) plus its half unit."""
+    return [min(float(g) + printed_half_unit(g, "gnorm"), clip) for g in printed_gnorms]

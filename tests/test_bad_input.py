@@ -118,6 +118,14 @@ CATALOGUE = {
         for flag, value, name in [("--tpu", [], "--tpu"), ("--use-bmuf", [], "--use-bmuf"),
                                   ("--zero-sharding", ["os"], "--zero-sharding"),
                                   ("--model-parallel-size", ["2"], "--model-parallel-size > 1")]],
+    "`--fsdp2-reduce-dtype fp16` without `--fp16`, or `bf16` without `--bf16`": [
+        (1, [*precision, "--fsdp2-reduce-dtype", reduce],
+         f"--fsdp2-reduce-dtype {reduce} needs {needs}: gradients are reduced in fp32 or in the "
+         f"compute dtype, here {compute}")
+        for precision, reduce, needs, compute in [
+            ([], "fp16", "--fp16 (or --memory-efficient-fp16)", "fp32"),
+            (["--bf16"], "fp16", "--fp16 (or --memory-efficient-fp16)", "bf16"),
+            (["--fp16"], "bf16", "--bf16", "fp16")]],
     "`--fp16-adam-stats` with `--bf16-adam-stats`, or `--bf16-adam-stats` without Adam": [
         (1, ["--bf16", "--bf16-adam-stats", "--fp16-adam-stats"],
          "--bf16-adam-stats and --fp16-adam-stats conflict: choose one"),

@@ -54,3 +54,16 @@ def test_fsdp2_calls_them_and_trains_as_with_its_own(report):
     # at most two non-zero terms per gradient sum at any world size (the probe's docstring):
     # the same bits
     assert report["train_max_diff"] == 0.0, report["train_max_diff"]
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_16_bit_reduction_through_them_as_through_fsdp2s_own(report, dtype):
+    """--fsdp2-reduce-dtype fp16/bf16: FSDP2 hands the installed reduce-scatter a 16-bit input
+    (fp16: pre-divided, ReduceOp.SUM, post-divided; bf16: ReduceOp.AVG), which gloo's all-reduce
+    sums in that dtype; training through them gives the same bits as through FSDP2's own
+    (at most two non-zero terms per sum, as above)."""
+    r = report[f"reduce_{dtype}"]
+    assert r["reduce_scatter_dtypes"] == [{"fp16": "float16", "bf16": "bfloat16"}[dtype]], r
+    assert r["calls"] == [3 * (3 + 2), 3 * 3], r
+    assert r["moved"] > 1e-3, r  # 3 Adam steps at lr 1e-2 moved every tensor
+    assert r["max_diff"] == 0.0, r

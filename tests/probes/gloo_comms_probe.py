@@ -13,6 +13,10 @@
    gradient sum then has at most two non-zero terms, which float addition sums to the same
    bits in any association, so the runs must be equal at any world size (how the collectives
    associate more terms is what part 1 bounds).
+3. The same with 16-bit gradient reduction (``--fsdp2-reduce-dtype``): FSDP2's
+   ``MixedPrecisionPolicy(param_dtype=reduce_dtype=fp16 or bf16)``, whose reduce-scatter input
+   is in that dtype (fp16: pre- and post-divided, a SUM; bf16: an AVG): the installed
+   collectives give the same bits as FSDP2's own, and the input they get is in that dtype.
 """
 import os
 
@@ -20,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from probe_report import report_and_exit
 
@@ -91,13 +95,15 @@ class Counting:
     """Counts the calls FSDP2 makes to the installed collectives."""
 
     def __init__(self, comm):
-        self.comm, self.calls = comm, 0
+        self.comm, self.calls, self.dtypes = comm, 0, set()
 
     def allocate(self, *args, **kwargs):
         return self.comm.allocate(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
+        tensor = kwargs.get("input_tensor", args[1] if len(args) > 1 else None)
+        self.dtypes.add(str(tensor.dtype).removeprefix("torch."))
         return self.comm(*args, **kwargs)
 
 
@@ -108,11 +114,12 @@ def build_model() -> nn.Module:
                          nn.Linear(5, 3))
 
 
-def train(mesh, install: bool):
+def train(mesh, install: bool, reduce_dtype=None):
     model = build_model()
+    mp = MixedPrecisionPolicy(param_dtype=reduce_dtype, reduce_dtype=reduce_dtype)
     for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     counts = None
     if install:
         assert gloo_collectives.install(model, mesh.get_group()) == 3
@@ -130,7 +137,8 @@ def train(mesh, install: bool):
         optimizer.step()
         optimizer.zero_grad()
     params = [p.full_tensor() for p in model.parameters()]
-    return params, None if counts is None else [c.calls for c in counts]
+    return params, None if counts is None else [c.calls for c in counts], \
+        None if counts is None else sorted(counts[1].dtypes)
 
 
 def main() -> None:
@@ -138,13 +146,21 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     report = {"collectives": collectives(mesh.get_group(), 16 * MIB // 4),
               "uneven": collectives(mesh.get_group(), 1001)}
-    theirs, _ = train(mesh, install=False)
-    ours, calls = train(mesh, install=True)
+    theirs, _, _ = train(mesh, install=False)
+    ours, calls, _ = train(mesh, install=True)
     report["train_max_diff"] = max((a - b).abs().max().item() for a, b in zip(ours, theirs))
     report["train_moved"] = min((a - b).abs().max().item()
                                 for a, b in zip(ours, build_model().parameters()))
     report["calls"] = calls
     report["world_size"] = dist.get_world_size()
+    for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        theirs, _, _ = train(mesh, install=False, reduce_dtype=dtype)
+        ours, calls, dtypes = train(mesh, install=True, reduce_dtype=dtype)
+        report[f"reduce_{name}"] = {
+            "max_diff": max((a - b).abs().max().item() for a, b in zip(ours, theirs)),
+            "moved": min((a - b).abs().max().item()
+                         for a, b in zip(ours, build_model().parameters())),
+            "calls": calls, "reduce_scatter_dtypes": dtypes}
     report_and_exit(report, print_here=dist.get_rank() == 0)
 
 

@@ -332,6 +332,44 @@ def test_16_bit_adam_moments_halve_the_optimizer_state():
     assert setup(*ddp, "--bf16", "--bf16-adam-stats", world=1).adam_stats == "fp32"
 
 
+def test_16_bit_reduce_dtype_halves_the_reduce_scatter_input():
+    """--fsdp2-reduce-dtype fp16 (with --fp16) or bf16 (with --bf16): FSDP2's reduce-scatter
+    input holds 2 bytes per element instead of 4, and so does its output, which FSDP2 then
+    casts to the fp32 sharded gradient (_to_dtype_if_needed: both alive at the cast). NLLB-3.3B
+    with docs/memory.md's 2-GPU settings: the peak stays at the shared embedding's
+    reduce-scatter, where the input halves (1.96 -> 0.98 GiB) and the output's 16-bit copy
+    (this rank's half of the embedding, 0.49 GiB) comes on top: 0.49 GiB less, not the 0.98 of
+    the input alone. Stock legacy_ddp has no such setting (counted fp32), and a reduce dtype
+    other than fp32 or the compute dtype is refused, as in training."""
+    base = nllb_args("transformer_nllb_3_3b", "--criterion", "label_smoothed_cross_entropy_chunked",
+                     "--loss-chunk-tokens", "256", "--fsdp2-root-reshard", "always",
+                     "--checkpoint-activations")
+    profile = from_args.profile_for(from_args.parse(base + ["--fp16"]))  # fp16 and bf16 alike
+    shared = next(u for u in profile.units if set(profile.output_paths) & set(u.module_paths))
+    local, padded, _ = unit_sizes(shared, 2, 0)
+    for precision in ("fp16", "bf16"):
+        flags = [f"--{precision}", f"--{precision}-adam-stats"]
+        default, reduced = (
+            estimate(profile, from_args.setup_for(from_args.parse(
+                base + flags + ["--fsdp2-reduce-dtype", reduce]), 2))
+            for reduce in ("fp32", precision))
+        assert reduced.setup.reduce_dtype == precision and default.setup.reduce_dtype == "fp32"
+        before, after = default.classes[0], reduced.classes[0]
+        assert before.moment == after.moment == f"backward: reduce-scatter {shared.name}"
+        assert before.breakdown["comm"] == padded * 4 and after.breakdown["comm"] == padded * 2
+        assert after.breakdown["grads"] - before.breakdown["grads"] == local * 2
+        assert default.peak - reduced.peak == padded * 2 - local * 2
+        assert 0.45 * GIB < default.peak - reduced.peak < 0.5 * GIB
+    ddp = from_args.setup_for(from_args.parse(
+        base + ["--fp16", "--ddp-backend", "legacy_ddp", "--fsdp2-reduce-dtype", "fp16"]), 1)
+    assert ddp.reduce_dtype == "fp32"
+    with pytest.raises(SystemExit) as stop:
+        from_args.setup_for(from_args.parse(base + ["--fp16", "--fsdp2-reduce-dtype", "bf16"]), 2)
+    assert str(stop.value.code) == ("fairseq_fsdp2.estimate: error: --fsdp2-reduce-dtype bf16 "
+                                    "needs --bf16: gradients are reduced in fp32 or in the "
+                                    "compute dtype, here fp16")
+
+
 def test_store_ema_adds_its_copy_of_the_weights():
     """--store-ema: FSDP2 keeps the EMA of each rank's shards in the compute dtype (fp32 with
     --ema-fp32); stock fairseq deep-copies the whole (halved) model, plus a float32 copy with

@@ -62,6 +62,8 @@ class _FSDP2Step:
                 ag = full
                 led.add("comm", ag)  # all-gather output buffer
             if forward and self.retained_ag:
+                # the previous unit's buffer is freed once this all-gather is waited for
+                led.moment(f"{why} (buffer)")
                 led.sub("comm", self.retained_ag)
                 self.retained_ag = 0
             led.moment(why, gathered=full - have)  # copy-out: buffer and parameters alive

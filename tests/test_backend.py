@@ -7,7 +7,7 @@ import torch
 from conftest import PLUGIN, REPO, stock_ddp, train_args_for
 from launcher import (FORKED_WORKER, free_port, ok, run_command, run_ranks, start_torchrun,
                       train_inner)
-from numerics import (BF16_MOMENT, FP16_MOMENT, FP32_REORDERED, U16, U_BF16,
+from numerics import (BF16_MOMENT, FP16_MOMENT, FP32_REORDERED, U16, U32, U_BF16,
                       assert_runs_close, moment_rounding_step_error, per_update, printed_close)
 
 FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1"]
@@ -331,6 +331,21 @@ def test_bf16_against_fp32(runs, corpus, tmp_path):
     fp32 = runs(*ADAM, updates=20)
     assert_runs_close(ours, fp32, precision_tolerance(U_BF16, runs_rounding=1), 20)
     assert per_update(ours) != per_update(fp32)  # bf16 really computed in bf16
+
+
+@pytest.mark.slow
+def test_bf16_reduction_within_its_rounding_of_fp32_reduction(runs):
+    """--bf16 --fsdp2-reduce-dtype bf16 against the plugin's --bf16 run (fp32 reduction; the
+    test above's), 20 updates. DERIVED as for fp16 (test_fp16_reduction_equals_stock_fp16...):
+    the runs differ only in the reduced gradient; both reduce the same bf16 local gradients,
+    the fp32 run within U32 of their exact mean, the bf16 run (gloo's AVG in bf16: one rounded
+    sum of two terms, halved exactly) within U_BF16 relative to it, per element; a relative
+    perturbation eps of every gradient element moves the printed loss and gnorm by at most eps
+    relative over these updates (numerics.FP32_REORDERED's argument):
+    rel = U_BF16 + U32 + FP32_REORDERED."""
+    ours = runs(*ADAM, "--bf16", "--fsdp2-reduce-dtype", "bf16", updates=20)
+    assert_runs_close(ours, runs(*ADAM, "--bf16", updates=20),
+                      U_BF16 + U32 + FP32_REORDERED, 20)
 
 
 def adam_stats_tolerance(u_compute: float, u_store: float, update: int) -> float:

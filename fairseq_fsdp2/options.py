@@ -24,6 +24,7 @@ SERVED_BACKENDS = (FSDP2_BACKEND, LEGACY_FSDP_BACKEND)
 
 DDP_BACKEND_WITH_FSDP2 = ChoiceEnum([c.value for c in DDP_BACKEND_CHOICES] + [FSDP2_BACKEND])
 ROOT_RESHARD_CHOICES = ChoiceEnum(["default", "always"])
+REDUCE_DTYPE_CHOICES = ChoiceEnum(["fp32", "fp16", "bf16"])
 
 
 @dataclass
@@ -62,6 +63,14 @@ class FSDP2DistributedTrainingConfig(DistributedTrainingConfig):
         metadata={"help": "FSDP2: with --update-freq > 1, skip the gradient reduce-scatter on "
                           "all but the last micro-batch (less communication, but unsharded "
                           "gradients are kept between micro-batches)"},
+    )
+    fsdp2_reduce_dtype: REDUCE_DTYPE_CHOICES = field(
+        default="fp32",
+        metadata={"help": "FSDP2: the dtype gradients are reduce-scattered in. fp32 (the "
+                          "default): the 16-bit gradients are copied to fp32 first; fp16 with "
+                          "--fp16, bf16 with --bf16: reduced in the compute dtype, as stock "
+                          "fairseq's --fp16 all-reduces them (half the reduce-scatter buffer "
+                          "and traffic; the sum rounded to 16 bits)"},
     )
     fsdp2_no_consolidate: bool = field(
         default=False,
@@ -180,8 +189,25 @@ def validate(dt: FSDP2DistributedTrainingConfig, *, min_params_to_wrap: int, fp1
     if dt.bf16_adam_stats and optimizer != "adam":
         raise OptionError(f"--bf16-adam-stats keeps Adam's moments: it needs --optimizer adam, "
                           f"got --optimizer {optimizer}")
+    check_reduce_dtype(str(getattr(dt, "fsdp2_reduce_dtype", "fp32")), fp16=fp16, bf16=bf16)
     new_lang_sources(getattr(dt, "init_new_langs_from", None))
     breakdown = dt.fsdp2_memory_breakdown
     if breakdown < 0:
         raise OptionError(f"--fsdp2-memory-breakdown must be >= 0 (an update number; 0: off), "
                           f"got {breakdown}")
+
+
+#: what each 16-bit --fsdp2-reduce-dtype needs: the matching compute dtype
+REDUCE_DTYPE_NEEDS = {"fp16": "--fp16 (or --memory-efficient-fp16)", "bf16": "--bf16"}
+
+
+def check_reduce_dtype(reduce_dtype: str, *, fp16: bool, bf16: bool) -> None:
+    """--fsdp2-reduce-dtype is fp32 or the compute dtype. fp16 needs --fp16: only fairseq's loss
+    scaling keeps fp16 gradients in range (a bf16 or fp32 run has none). bf16 needs --bf16:
+    with --fp16 it would round the fp16 gradients to bf16's 8 bits for no memory saved, and
+    fp32 gradients are not 16 bits to begin with (FSDP2 would keep them full size in fp32)."""
+    compute = "fp16" if fp16 else "bf16" if bf16 else "fp32"
+    if reduce_dtype != "fp32" and reduce_dtype != compute:
+        raise OptionError(f"--fsdp2-reduce-dtype {reduce_dtype} needs "
+                          f"{REDUCE_DTYPE_NEEDS[reduce_dtype]}: gradients are reduced in fp32 "
+                          f"or in the compute dtype, here {compute}")

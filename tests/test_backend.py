@@ -7,8 +7,8 @@ import torch
 from conftest import PLUGIN, REPO, stock_ddp, train_args_for
 from launcher import (FORKED_WORKER, free_port, ok, run_command, run_ranks, start_torchrun,
                       train_inner)
-from numerics import (BF16_MOMENT, FP16_MOMENT, FP32_REORDERED, U16, U_BF16, assert_runs_close,
-                      moment_rounding_step_error, per_update, printed_close)
+from numerics import (BF16_MOMENT, FP16_MOMENT, FP32_REORDERED, U16, U32, U_BF16,
+                      assert_runs_close, moment_rounding_step_error, per_update, printed_close)
 
 FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1"]
 
@@ -203,6 +203,98 @@ def test_fp16_equals_stock_fp16(runs):
     assert per_update(ours) != per_update(runs(*ADAM, updates=20))
 
 
+#: --fsdp2-reduce-dtype fp16, and --fsdp2-no-tied-grad-buffer: the tied embedding's three uses'
+#: fp16 gradients summed by autograd, as in stock fairseq (the buffer adds them in another order)
+FP16_REDUCE = (*ADAM, "--fp16", "--fsdp2-reduce-dtype", "fp16", "--fsdp2-no-tied-grad-buffer")
+FP16_REDUCE_UPDATES = 10
+
+
+@pytest.fixture(scope="module")
+def fp16_exact_start(runs, tmp_path_factory):
+    """A stock checkpoint (2-rank legacy_ddp, 1 update) whose weights are all fp16 numbers,
+    for --finetune-from-model. Stock --fp16 halves the model before FP16Optimizer copies it to
+    fp32, so its fp32 master weights start as the fp16 rounding of the initial (or loaded)
+    weights; the plugin's fp32 shards keep them whole. Measured on the tiny model: from random
+    weights, that alone moves the plugin's --fp16 loss 3e-3 from stock's at update 2, with the
+    fp32 or the fp16 reduction alike; from weights that are fp16 numbers both runs start from
+    the same masters."""
+    import fairseq_fsdp2  # noqa: F401  (allow-lists the classes fairseq pickles)
+    runs(*ADAM, updates=1, stock=True, save=True)
+    saved = runs.save_dirs[tuple(ADAM)] / "checkpoint_last.pt"
+    state = torch.load(saved, weights_only=True)
+    state["model"] = {k: v.half().float() if v.is_floating_point() else v
+                      for k, v in state["model"].items()}
+    path = tmp_path_factory.mktemp("fp16_exact") / "fp16_exact.pt"
+    torch.save(state, path)
+    return ["--finetune-from-model", str(path)]
+
+
+@pytest.mark.slow
+def test_fp16_reduction_equals_stock_fp16_within_the_rounding_of_the_reduced_gradient(
+        runs, fp16_exact_start, corpus, tmp_path):
+    """--fp16 --fsdp2-reduce-dtype fp16 against stock fairseq's 2-rank legacy_ddp --fp16, whose
+    all-reduce it reproduces bit for bit (tests/test_gloo_comms.py), from weights that are fp16
+    numbers (fp16_exact_start), 10 updates: per update, loss and gnorm within the fp16
+    rounding of the reduced gradient; and against the plugin's own run with the default fp32
+    reduction, from the same start, within the same bound.
+
+    DERIVED: the runs start from the same fp32 master weights and use the same fp16 copies of
+    them, the same batches and dropout masks, the same fp16 forward and backward on each rank,
+    so the same fp16 local gradients g0, g1 (autograd sums the tied uses in all of them:
+    FP16_REDUCE). Stock legacy_ddp divides each by 2 in fp16 and sums them in fp16 (gloo);
+    FSDP2 with an fp16 reduce dtype pre-divides by 2 and post-divides by 1 on 2 ranks
+    (_get_gradient_divide_factors), summing through the plugin's gloo all-reduce: fl16(g0/2 +
+    g1/2) in both, each element within U16 of the exact sum, relative to it (one rounding of
+    one sum; halving is exact above fp16's subnormals, and done alike in both); the fp32
+    reduction holds that sum within U32. Any two of these differ by at most 2 x U16 relative
+    per element (the fp16 ones are the same operations, a + b = b + a, but the bound does not
+    rely on it). Then, in fp32, fairseq's unscaling and clipping, whose norm is summed in
+    another order (FP32_REORDERED). A relative perturbation eps of every gradient element moves
+    the gradient norm by at most eps relative (triangle inequality) and Adam's m / sqrt(v),
+    hence each step, by at most eps of the step, so the next loss by eps of what the step
+    changed it by (numerics.FP32_REORDERED's argument, over these few updates):
+    rel = 2 x U16 + FP32_REORDERED."""
+    ours = runs(*FP16_REDUCE, *fp16_exact_start, updates=FP16_REDUCE_UPDATES)
+    fp32_reduce = runs(*ADAM, "--fp16", "--fsdp2-no-tied-grad-buffer", *fp16_exact_start,
+                       updates=FP16_REDUCE_UPDATES)
+    # stock fairseq alone reads the test's own checkpoint through tests/probes/stock_trusting.py
+    # (torch's weights_only refuses what fairseq pickles; the plugin's allow-list is not loaded
+    # on the reference side), each rank reading it; --fp16-no-flatten-grads: as in
+    # test_fp16_equals_stock_fp16
+    trusted = fp16_exact_start[-1]
+    stock = ok(run_ranks(2, lambda r: train_args_for(
+        corpus, tmp_path / "stock", *stock_ddp(r, 2), *ADAM, "--fp16", "--fp16-no-flatten-grads",
+        *fp16_exact_start, "--load-checkpoint-on-all-dp-ranks", updates=FP16_REDUCE_UPDATES,
+        plugin=False), module="stock_trusting", env={
+            "PYTHONPATH": str(REPO / "tests" / "probes"), "TRUSTED_CHECKPOINTS": trusted}))
+    for run in (ours, fp32_reduce, stock):
+        assert_no_overflow(run)  # else the runs would skip different updates
+    assert_runs_close(ours, stock, 2 * U16 + FP32_REORDERED, FP16_REDUCE_UPDATES)
+    assert_runs_close(ours, fp32_reduce, 2 * U16 + FP32_REORDERED, FP16_REDUCE_UPDATES)
+
+
+def test_fp16_reduction_overflow_is_seen_and_skipped_on_every_rank(corpus, tmp_path):
+    """--fsdp2-reduce-dtype fp16 under fairseq's loss scaling: an initial scale of 2^26 makes the
+    fp16 gradients overflow (to inf, or NaN where inf - inf); the fp16 reduce-scatter carries
+    the non-finite values into the shards (inf / 2 and inf + x stay inf), the global gradient
+    norm (all-reduced) is non-finite on every rank, and every rank logs fairseq's overflow note
+    and skips the step: the scale halves on both alike until the gradients fit, then training
+    goes on. (Each rank's log: the probe keeps fairseq's trainer at INFO on rank 1 too.)"""
+    results = run_ranks(2, lambda r: train_args_for(
+        corpus, tmp_path / "ckpt", *FSDP2, "--fp16", "--fsdp2-reduce-dtype", "fp16",
+        "--fp16-init-scale", str(2 ** 26), updates=6), module="trainer_info_every_rank",
+        env={"PYTHONPATH": str(REPO / "tests" / "probes")})
+    ok(results)
+    note = "NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: "
+    scales = [[float(line.split(note, 1)[1].split()[0]) for line in r.output.splitlines()
+               if note in line] for r in results]
+    assert len(scales[0]) >= 3 and scales[0] == scales[1], scales  # the same skips, alike
+    assert scales[0] == [2.0 ** (25 - i) for i in range(len(scales[0]))], scales
+    records = train_inner(results[0].output)
+    assert [int(r["num_updates"]) for r in records] == list(range(1, 7))  # skips not counted
+    assert float(records[-1]["loss_scale"]) <= scales[0][-1]
+
+
 def test_memory_efficient_fp16_is_fp16():
     """The README: --memory-efficient-fp16 means --fp16 with FSDP2 (fp32 master shards, no
     copy to save): the same compute policy and the same optimizer wrapper."""
@@ -239,6 +331,21 @@ def test_bf16_against_fp32(runs, corpus, tmp_path):
     fp32 = runs(*ADAM, updates=20)
     assert_runs_close(ours, fp32, precision_tolerance(U_BF16, runs_rounding=1), 20)
     assert per_update(ours) != per_update(fp32)  # bf16 really computed in bf16
+
+
+@pytest.mark.slow
+def test_bf16_reduction_within_its_rounding_of_fp32_reduction(runs):
+    """--bf16 --fsdp2-reduce-dtype bf16 against the plugin's --bf16 run (fp32 reduction; the
+    test above's), 20 updates. DERIVED as for fp16 (test_fp16_reduction_equals_stock_fp16...):
+    the runs differ only in the reduced gradient; both reduce the same bf16 local gradients,
+    the fp32 run within U32 of their exact mean, the bf16 run (gloo's AVG in bf16: one rounded
+    sum of two terms, halved exactly) within U_BF16 relative to it, per element; a relative
+    perturbation eps of every gradient element moves the printed loss and gnorm by at most eps
+    relative over these updates (numerics.FP32_REORDERED's argument):
+    rel = U_BF16 + U32 + FP32_REORDERED."""
+    ours = runs(*ADAM, "--bf16", "--fsdp2-reduce-dtype", "bf16", updates=20)
+    assert_runs_close(ours, runs(*ADAM, "--bf16", updates=20),
+                      U_BF16 + U32 + FP32_REORDERED, 20)
 
 
 def adam_stats_tolerance(u_compute: float, u_store: float, update: int) -> float:

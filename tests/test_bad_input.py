@@ -6,6 +6,7 @@ does not appear, the files it reads are unchanged.
 """
 import datetime
 import json
+import os
 import re
 import shutil
 
@@ -118,6 +119,17 @@ CATALOGUE = {
         for flag, value, name in [("--tpu", [], "--tpu"), ("--use-bmuf", [], "--use-bmuf"),
                                   ("--zero-sharding", ["os"], "--zero-sharding"),
                                   ("--model-parallel-size", ["2"], "--model-parallel-size > 1")]],
+    "`--fsdp2-reduce-dtype fp16` without `--fp16`, or `bf16` without `--bf16`": [
+        (1, [*precision, "--fsdp2-reduce-dtype", reduce],
+         f"--fsdp2-reduce-dtype {reduce} needs {needs}: gradients are reduced in fp32 or in the "
+         f"compute dtype, here {compute}")
+        for precision, reduce, needs, compute in [
+            ([], "fp16", "--fp16 (or --memory-efficient-fp16)", "fp32"),
+            (["--bf16"], "fp16", "--fp16 (or --memory-efficient-fp16)", "bf16"),
+            (["--fp16"], "bf16", "--bf16", "fp16")]] + [
+        (1, ["distributed_training.fsdp2_reduce_dtype=fp16"],  # the same key in hydra
+         "--fsdp2-reduce-dtype fp16 needs --fp16 (or --memory-efficient-fp16): gradients are "
+         "reduced in fp32 or in the compute dtype, here fp32", HYDRA)],
     "`--fp16-adam-stats` with `--bf16-adam-stats`, or `--bf16-adam-stats` without Adam": [
         (1, ["--bf16", "--bf16-adam-stats", "--fp16-adam-stats"],
          "--bf16-adam-stats and --fp16-adam-stats conflict: choose one"),
@@ -238,7 +250,10 @@ def test_bad_input_stops_with_one_line_and_writes_nothing(files, tmp_path, monke
                 "common.cpu=true", *flags]
     results = run_ranks(max(ranks, 1),
                         lambda r: [str(a).replace("{rank}", str(r)) for a in args],  # per rank
-                        module=module, env={"PYTHONPATH": PROBES}, timeout=120,
+                        # REPO: the hydra cases run in tmp_path, where the checkout's own
+                        # package would otherwise lose to the venv's editable install's
+                        module=module, env={"PYTHONPATH": os.pathsep.join([PROBES, str(REPO)])},
+                        timeout=120,
                         torchrun_env=ranks > 0)
     for r in results:
         errors = [l for l in r.output.splitlines() if l.startswith("fairseq_fsdp2: error:")]

@@ -332,6 +332,93 @@ def test_16_bit_adam_moments_halve_the_optimizer_state():
     assert setup(*ddp, "--bf16", "--bf16-adam-stats", world=1).adam_stats == "fp32"
 
 
+def test_16_bit_reduce_dtype_halves_the_reduce_scatter_input():
+    """--fsdp2-reduce-dtype fp16 (with --fp16) or bf16 (with --bf16): FSDP2's reduce-scatter
+    input holds 2 bytes per element instead of 4, and so does its output, which FSDP2 then
+    casts to the fp32 sharded gradient (_to_dtype_if_needed: both alive at the cast). NLLB-3.3B
+    with docs/memory.md's 2-GPU settings: the peak stays at the shared embedding's
+    reduce-scatter, where the input halves (1.96 -> 0.98 GiB) and the output's 16-bit copy
+    (this rank's half of the embedding, 0.49 GiB) comes on top: 0.49 GiB less, not the 0.98 of
+    the input alone. Stock legacy_ddp has no such setting (counted fp32), and a reduce dtype
+    other than fp32 or the compute dtype is refused, as in training."""
+    base = nllb_args("transformer_nllb_3_3b", "--criterion", "label_smoothed_cross_entropy_chunked",
+                     "--loss-chunk-tokens", "256", "--fsdp2-root-reshard", "always",
+                     "--checkpoint-activations")
+    profile = from_args.profile_for(from_args.parse(base + ["--fp16"]))  # fp16 and bf16 alike
+    shared = next(u for u in profile.units if set(profile.output_paths) & set(u.module_paths))
+    local, padded, _ = unit_sizes(shared, 2, 0)
+    for precision in ("fp16", "bf16"):
+        flags = [f"--{precision}", f"--{precision}-adam-stats"]
+        default, reduced = (
+            estimate(profile, from_args.setup_for(from_args.parse(
+                base + flags + ["--fsdp2-reduce-dtype", reduce]), 2))
+            for reduce in ("fp32", precision))
+        assert reduced.setup.reduce_dtype == precision and default.setup.reduce_dtype == "fp32"
+        before, after = default.classes[0], reduced.classes[0]
+        assert before.moment == after.moment == f"backward: reduce-scatter {shared.name}"
+        assert before.breakdown["comm"] == padded * 4 and after.breakdown["comm"] == padded * 2
+        assert after.breakdown["grads"] - before.breakdown["grads"] == local * 2
+        assert default.peak - reduced.peak == padded * 2 - local * 2
+        assert 0.45 * GIB < default.peak - reduced.peak < 0.5 * GIB
+    ddp = from_args.setup_for(from_args.parse(
+        base + ["--fp16", "--ddp-backend", "legacy_ddp", "--fsdp2-reduce-dtype", "fp16"]), 1)
+    assert ddp.reduce_dtype == "fp32"
+    with pytest.raises(SystemExit) as stop:
+        from_args.setup_for(from_args.parse(base + ["--fp16", "--fsdp2-reduce-dtype", "bf16"]), 2)
+    assert str(stop.value.code) == ("fairseq_fsdp2.estimate: error: --fsdp2-reduce-dtype bf16 "
+                                    "needs --bf16: gradients are reduced in fp32 or in the "
+                                    "compute dtype, here fp16")
+
+
+@pytest.mark.slow
+def test_16_bit_reduction_halves_the_tracked_reduce_scatter_buffer(tmp_path):
+    """The estimator's reduce-scatter input against the tracker's bytes (--fsdp2-memory-
+    breakdown), in two real 2-rank --fp16 runs whose tied 20,000 x 64 embedding is most of the
+    model (the chunked loss keeps the logits small): with the default fp32 reduction and with
+    --fsdp2-reduce-dtype fp16. On every rank the tracked maximum of "comm buffers" equals the
+    estimator's for that run, to the byte. In the fp32 run it is the embedding unit's
+    reduce-scatter input (FSDP2's chunk_cat output, V x dim elements, 4 bytes each); in the
+    fp16 run that input is 2 bytes per element, and the largest moment is forward's: the
+    unit's fp16 all-gather buffer, which FSDP2 frees only once the next unit's all-gather
+    (the first encoder layer's) is waited for, beside that one. So the flag reached FSDP2
+    through fairseq's config (the trainer's MixedPrecisionPolicy)."""
+    from fairseq_fsdp2.memory.breakdown import FILE_NAME
+    vocab = 20_000
+    data = write_random_corpus(tmp_path / "corpus", vocab=vocab, words=8, n_train=64)
+
+    def run(reduce: str):
+        save = tmp_path / reduce
+        args = [str(data), "--user-dir", PLUGIN, "--task", "translation",
+                "--arch", "transformer_nllb_tiny", "--optimizer", "adam", "--lr", "1e-3",
+                "--criterion", "label_smoothed_cross_entropy_chunked", "--loss-chunk-tokens",
+                "16", "--label-smoothing", "0.1", "--max-tokens", "144", "--max-update", "2",
+                "--log-format", "json", "--log-interval", "1", "--seed", "1", "--cpu",
+                "--no-progress-bar", "--disable-validation", "--save-dir", str(save),
+                "--no-epoch-checkpoints", "--no-last-checkpoints", "--fsdp2-no-consolidate",
+                "--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", "--fp16",
+                "--fsdp2-reduce-dtype", reduce, "--fsdp2-memory-breakdown", "2"]
+        ok(run_ranks(2, lambda r: args))
+        tracked = [r["max"]["comm buffers"]
+                   for r in json.loads((save / FILE_NAME).read_text())["ranks"]]
+        parsed = from_args.parse(args)
+        profile = from_args.profile_for(parsed)
+        predicted = [simulate_fsdp2(profile, from_args.setup_for(parsed, 2), rank).max["comm"]
+                     for rank in (0, 1)]
+        shared = next(u for u in profile.units
+                      if set(profile.output_paths) & set(u.module_paths))
+        first = next(u for u in profile.units if u.name == "encoder.layers.0")
+        return tracked, predicted, unit_sizes(shared, 2, 0)[1], unit_sizes(first, 2, 0)[1]
+
+    (fp32_tracked, fp32_predicted, padded, layer), (fp16_tracked, fp16_predicted, _, _) = \
+        run("fp32"), run("fp16")
+    print(f"max comm buffers, tracked / predicted: fp32 reduction {fp32_tracked} / "
+          f"{fp32_predicted}, fp16 {fp16_tracked} / {fp16_predicted}")
+    assert padded >= vocab * 64
+    assert fp32_tracked == fp32_predicted and fp16_tracked == fp16_predicted
+    assert fp32_predicted == [padded * 4] * 2
+    assert fp16_predicted == [(padded + layer) * 2] * 2
+
+
 def test_store_ema_adds_its_copy_of_the_weights():
     """--store-ema: FSDP2 keeps the EMA of each rank's shards in the compute dtype (fp32 with
     --ema-fp32); stock fairseq deep-copies the whole (halved) model, plus a float32 copy with

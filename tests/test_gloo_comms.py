@@ -54,3 +54,42 @@ def test_fsdp2_calls_them_and_trains_as_with_its_own(report):
     # at most two non-zero terms per gradient sum at any world size (the probe's docstring):
     # the same bits
     assert report["train_max_diff"] == 0.0, report["train_max_diff"]
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_16_bit_reduction_through_them_as_through_fsdp2s_own(report, dtype):
+    """--fsdp2-reduce-dtype fp16/bf16: FSDP2 hands the installed reduce-scatter a 16-bit input
+    (fp16: pre-divided, ReduceOp.SUM, post-divided; bf16: ReduceOp.AVG), which gloo's all-reduce
+    sums in that dtype; training through them gives the same bits as through FSDP2's own
+    (at most two non-zero terms per sum, as above)."""
+    r = report[f"reduce_{dtype}"]
+    assert r["reduce_scatter_dtypes"] == [{"fp16": "float16", "bf16": "bfloat16"}[dtype]], r
+    assert r["calls"] == [3 * (3 + 2), 3 * 3], r
+    assert r["moved"] > 1e-3, r  # 3 Adam steps at lr 1e-2 moved every tensor
+    assert r["max_diff"] == 0.0, r
+
+
+def test_fp16_reduction_is_legacy_ddps_fp16_all_reduce(report):
+    """--fsdp2-reduce-dtype fp16 reduces the local fp16 gradients exactly as stock fairseq's
+    legacy_ddp does with --fp16 (each divided by the world size in fp16, then summed in fp16):
+    the same bits, at 2 and 4 ranks. FSDP2 divides by 2 before the sum and by world / 2 after
+    it (about sqrt(world) each: _get_gradient_divide_factors), legacy_ddp by the world before:
+    dividing by a power of two is exact in fp16 (above its subnormals) and commutes with
+    rounding, and gloo associates the terms alike, so the results are equal. The default fp32
+    reduction sums the same fp16 values without rounding to fp16 (these gradients' sums need
+    more than fp16's 11 bits), so it differs from stock fairseq's.
+
+    The price at more than 2 ranks: the fp16 sum of halves can overflow where legacy_ddp's sum
+    of quarters (4 ranks) does not: 40,000 per rank is 80,000 after FSDP2's pre-division at 4
+    ranks, beyond fp16's 65,504 (inf: fairseq's loss scaler then halves the scale and skips the
+    step, on every rank), while legacy_ddp gets 40,000. At 2 ranks both divide by 2 first and
+    neither overflows (a mean of finite fp16 values is finite)."""
+    r = report["like_legacy_ddp"]
+    assert r["reduce_fp16_equals_legacy_ddp"] and r["reduce_fp16_dtype"] == "float32", r
+    assert not r["reduce_fp32_equals_legacy_ddp"], r
+    big = r["gradient_40000"]
+    assert big["legacy_ddp"] == [40000.0], big
+    if report["world_size"] == 2:
+        assert big["fsdp2"] == [40000.0], big
+    else:
+        assert big["fsdp2"] == [float("inf")], big

@@ -73,6 +73,10 @@ def _fitting_rows() -> tuple[Row, ...]:
                     _nllb("3_3b", *RECIPE, *CKPT, *STATS16)))
     rows.append(Row(("3.3B", "`--checkpoint-activations --fp16-adam-stats --max-tokens 12288`"),
                     _nllb("3_3b", *RECIPE, *CKPT, *STATS16, max_tokens=12288)))
+    # gradients reduce-scattered in fp16 (--fsdp2-reduce-dtype, issue 40's 2-GPU case)
+    rows.append(Row(("3.3B", "`--checkpoint-activations --fp16-adam-stats "
+                             "--fsdp2-reduce-dtype fp16`"),
+                    _nllb("3_3b", *RECIPE, *CKPT, *STATS16, "--fsdp2-reduce-dtype", "fp16")))
     return tuple(rows)
 
 

@@ -11,7 +11,9 @@ from fairseq import options, tasks
 from fairseq.data import Dictionary
 
 from ..launch import preflight
-from ..options import FSDP2_BACKEND, LEGACY_FSDP_BACKEND, tied_grad_buffer_on
+from ..errors import OptionError
+from ..options import (FSDP2_BACKEND, LEGACY_FSDP_BACKEND, check_reduce_dtype,
+                       tied_grad_buffer_on)
 from .ledger import Setup
 from .model_profile import ModelProfile, build_profile, workload_for
 from .peak import CPU_BASELINE_GB, Estimate, estimate
@@ -88,6 +90,20 @@ def ema_bytes_of(args) -> int:
     return compute + (4 if fp32 and compute != 4 else 0)
 
 
+def reduce_dtype_of(args) -> str:
+    """--fsdp2-reduce-dtype (FSDP2 only; training refuses a 16-bit one that is not the compute
+    dtype, options.check_reduce_dtype, and so does the estimate)."""
+    if backend_of(args) != "fsdp2":
+        return "fp32"
+    reduce = str(getattr(args, "fsdp2_reduce_dtype", "fp32") or "fp32")
+    try:
+        check_reduce_dtype(reduce, fp16=precision_of(args) == "fp16",
+                           bf16=precision_of(args) == "bf16")
+    except OptionError as e:
+        raise SystemExit(f"fairseq_fsdp2.estimate: error: {e}") from None
+    return reduce
+
+
 def setup_for(args, world_size: int) -> Setup:
     replicate = args.replicate_degree or getattr(args, "fsdp2_replicate_degree", 1) or 1
     device = args.device or ("cpu" if getattr(args, "cpu", False) else "cuda")
@@ -108,7 +124,7 @@ def setup_for(args, world_size: int) -> Setup:
         checkpoint_activations=bool(getattr(args, "checkpoint_activations", False)),
         memory_efficient_fp16=bool(getattr(args, "memory_efficient_fp16", False)),
         tied_grad_buffer=tied_grad_buffer_on(args), adam_stats=adam_stats_of(args),
-        ema_bytes=ema_bytes_of(args))
+        ema_bytes=ema_bytes_of(args), reduce_dtype=reduce_dtype_of(args))
 
 
 def build_task(args):

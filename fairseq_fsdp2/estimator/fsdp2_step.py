@@ -18,14 +18,17 @@ class _FSDP2Step:
     out into the unsharded parameters; in forward (more than one rank) FSDP2 keeps that buffer
     until the next forward copy-out or the end of the model's forward, in backward it frees it
     at once. The backward of a unit prefetches the unit before it in forward order. A unit's
-    gradients are copied into an fp32 reduce-scatter input buffer, kept until the next
-    reduce-scatter or the end of backward. With one rank, "all-gather" is a copy.
+    gradients are copied into a reduce-scatter input buffer in the reduce dtype (fp32, or the
+    compute dtype with --fsdp2-reduce-dtype fp16/bf16), kept until the next reduce-scatter or
+    the end of backward. With one rank, "all-gather" is a copy.
     """
 
     def __init__(self, profile: ModelProfile, setup: Setup, rank: int):
         self.p, self.s = profile, setup
         self.trace = profile.trace_for(setup.device)
         self.c = profile.compute_bytes
+        # bytes per element of the reduce-scatter input and output (FSDP2's reduce dtype)
+        self.rb = self.c if setup.reduce_dtype != "fp32" else 4
         self.shards = setup.world_size // setup.replicate_degree
         self.units = {u.name: u for u in profile.units}
         self.local, self.padded, self.largest = {}, {}, 0
@@ -59,6 +62,8 @@ class _FSDP2Step:
                 ag = full
                 led.add("comm", ag)  # all-gather output buffer
             if forward and self.retained_ag:
+                # the previous unit's buffer is freed once this all-gather is waited for
+                led.moment(f"{why} (buffer)")
                 led.sub("comm", self.retained_ag)
                 self.retained_ag = 0
             led.moment(why, gathered=full - have)  # copy-out: buffer and parameters alive
@@ -107,14 +112,19 @@ class _FSDP2Step:
         led = self.led
         led.sub("comm", self.retained_rs)  # the previous input buffer is released first
         self.retained_rs = 0
-        rs_input = self.padded[name] * 4
+        rs_input = self.padded[name] * self.rb
         # A unit reduced at the end of backward (the root, the shared embedding) still holds
         # its unsharded gradients while FSDP2 allocates the reduce-scatter output (measured at
         # NLLB-600M: gradient, input and output of the shared unit alive at once); a layer's
-        # gradients are freed after the copy-in, before the output is allocated.
-        output = self.local[name] * 4 if in_ledger and self.on_device else 0
+        # gradients are freed after the copy-in, before the output is allocated. A 16-bit
+        # output is then cast to the fp32 sharded gradient, both alive at the cast.
+        output = self.local[name] * (self.rb + (4 if self.rb != 4 else 0)) \
+            if self.on_device else 0
         led.moment(f"backward: reduce-scatter {name}", comm=rs_input,
                    grads=output if in_ledger else grad_bytes)
+        if not in_ledger and self.rb != 4 and output > grad_bytes:
+            led.moment(f"backward: reduce-scatter {name} (output cast to fp32)",
+                       comm=rs_input, grads=output)
         if in_ledger:
             led.sub("grads", grad_bytes)  # unsharded gradients dropped after the copy-in
         led.add("comm", rs_input)

@@ -51,6 +51,7 @@ class Setup:
     tied_grad_buffer: bool = False  # --fsdp2-tied-grad-buffer: one gradient for all uses
     adam_stats: str = "fp32"  # Adam's moments between steps: fp16/bf16 (--fp16/--bf16-adam-stats)
     ema_bytes: int = 0  # --store-ema: bytes of the EMA per parameter element (0: no EMA)
+    reduce_dtype: str = "fp32"  # --fsdp2-reduce-dtype: fp32, or the 16-bit compute dtype
 
 
 class Ledger:

@@ -1,7 +1,10 @@
 """fairseq's precision flags, mapped onto FSDP2.
 
 Master weights are the sharded fp32 parameters in every mode; ``--fp16``/``--bf16`` set the
-compute dtype through ``MixedPrecisionPolicy`` (gradients are reduced in fp32).
+compute dtype through ``MixedPrecisionPolicy``; gradients are reduced in fp32, or with
+``--fsdp2-reduce-dtype fp16/bf16`` in the compute dtype (FSDP2 then reduce-scatters the 16-bit
+gradients as they are, pre- and post-dividing by about sqrt(world size) in fp16: see
+docs/compatibility.md).
 ``--memory-efficient-fp16`` means the same as ``--fp16`` here: there is no separate fp32 copy of
 the weights to save, as with fairseq's legacy FSDP. fp16's dynamic loss scaling is fairseq's own
 (build.py, loss_scale.py).
@@ -23,11 +26,20 @@ def compute_dtype(common_cfg) -> Optional[torch.dtype]:
     return None
 
 
-def mixed_precision_policy(common_cfg) -> Optional[MixedPrecisionPolicy]:
+#: --fsdp2-reduce-dtype's values
+REDUCE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def reduce_dtype(dt_cfg) -> torch.dtype:
+    """--fsdp2-reduce-dtype (options.py checked it against the compute dtype)."""
+    return REDUCE_DTYPES[str(getattr(dt_cfg, "fsdp2_reduce_dtype", "fp32") or "fp32")]
+
+
+def mixed_precision_policy(common_cfg, dt_cfg=None) -> Optional[MixedPrecisionPolicy]:
     dtype = compute_dtype(common_cfg)
     if dtype is None:
         return None
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype(dt_cfg))
 
 
 def cast_float_buffers(model: nn.Module, dtype: Optional[torch.dtype]) -> None:

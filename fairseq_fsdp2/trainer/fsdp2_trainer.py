@@ -109,7 +109,7 @@ class FSDP2Trainer(TrainerEMA, TrainerCheckpoints, Trainer):
         dtype = mixed_precision.compute_dtype(self.cfg.common)
         mixed_precision.cast_float_buffers(model, dtype)
         apply_plan(model, plan, mesh,
-                   mp_policy=mixed_precision.mixed_precision_policy(self.cfg.common),
+                   mp_policy=mixed_precision.mixed_precision_policy(self.cfg.common, dt),
                    cpu_offload=dt.cpu_offload)
         if meta_build.built_on_meta(model):
             meta_build.materialize(model, self.device,

@@ -13,6 +13,15 @@
    gradient sum then has at most two non-zero terms, which float addition sums to the same
    bits in any association, so the runs must be equal at any world size (how the collectives
    associate more terms is what part 1 bounds).
+3. The same with 16-bit gradient reduction (``--fsdp2-reduce-dtype``): FSDP2's
+   ``MixedPrecisionPolicy(param_dtype=reduce_dtype=fp16 or bf16)``, whose reduce-scatter input
+   is in that dtype (fp16: pre- and post-divided, a SUM; bf16: an AVG): the installed
+   collectives give the same bits as FSDP2's own, and the input they get is in that dtype.
+4. What the fp16 reduction computes, against stock fairseq's legacy_ddp arithmetic on the same
+   local fp16 gradients (each divided by the world size in fp16, then all-reduced in fp16):
+   FSDP2's sharded gradient with reduce dtype fp16, and with fp32 (the default), compared bit
+   for bit; and a gradient of 40,000 per rank (finite in fp16, as is its mean), reduced by
+   FSDP2 in fp16 and by legacy_ddp's arithmetic: which of the two overflows.
 """
 import os
 
@@ -20,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from probe_report import report_and_exit
 
@@ -91,13 +100,15 @@ class Counting:
     """Counts the calls FSDP2 makes to the installed collectives."""
 
     def __init__(self, comm):
-        self.comm, self.calls = comm, 0
+        self.comm, self.calls, self.dtypes = comm, 0, set()
 
     def allocate(self, *args, **kwargs):
         return self.comm.allocate(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
+        tensor = kwargs.get("input_tensor", args[1] if len(args) > 1 else None)
+        self.dtypes.add(str(tensor.dtype).removeprefix("torch."))
         return self.comm(*args, **kwargs)
 
 
@@ -108,11 +119,12 @@ def build_model() -> nn.Module:
                          nn.Linear(5, 3))
 
 
-def train(mesh, install: bool):
+def train(mesh, install: bool, reduce_dtype=None):
     model = build_model()
+    mp = MixedPrecisionPolicy(param_dtype=reduce_dtype, reduce_dtype=reduce_dtype)
     for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     counts = None
     if install:
         assert gloo_collectives.install(model, mesh.get_group()) == 3
@@ -130,7 +142,63 @@ def train(mesh, install: bool):
         optimizer.step()
         optimizer.zero_grad()
     params = [p.full_tensor() for p in model.parameters()]
-    return params, None if counts is None else [c.calls for c in counts]
+    return params, None if counts is None else [c.calls for c in counts], \
+        None if counts is None else sorted(counts[1].dtypes)
+
+
+def legacy_ddp_fp16_reduce(grad: torch.Tensor, group) -> torch.Tensor:
+    """Stock fairseq's legacy_ddp on an fp16 gradient: divided by the world size, all-reduced."""
+    buffer = grad.clone()
+    buffer.div_(group.size())
+    dist.all_reduce(buffer, group=group)
+    return buffer
+
+
+def sharded_grad(mesh, reduce_dtype, weight: torch.Tensor, x: torch.Tensor) -> tuple:
+    """This rank's fp16 local gradient of sum(linear(x)^2) and the sharded gradient FSDP2 makes
+    of it, with the plugin's collectives (fp16 compute, the given reduce dtype)."""
+    model = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    with torch.no_grad():
+        model.weight.copy_(weight)
+    local = nn.Linear(weight.shape[1], weight.shape[0], bias=False).half()
+    with torch.no_grad():
+        local.weight.copy_(weight)
+    local(x).float().pow(2).sum().backward()
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(
+        param_dtype=torch.float16, reduce_dtype=reduce_dtype))
+    gloo_collectives.install(model, mesh.get_group())
+    model(x).float().pow(2).sum().backward()
+    return local.weight.grad, model.weight.grad.to_local()
+
+
+def like_legacy_ddp(mesh) -> dict:
+    group = mesh.get_group()
+    size, rank = group.size(), group.rank()
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(8 * size, 32, generator=g) * 0.1  # the same on every rank
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(rank)).half()
+    report = {}
+    for name, dtype in (("fp16", torch.float16), ("fp32", torch.float32)):
+        local, shard = sharded_grad(mesh, dtype, weight, x)
+        stock = legacy_ddp_fp16_reduce(local, group).view(size, -1)[rank].view_as(shard)
+        report[f"reduce_{name}_equals_legacy_ddp"] = torch.equal(shard, stock.float())
+        report[f"reduce_{name}_dtype"] = str(shard.dtype).removeprefix("torch.")
+    for key in [k for k in report if k.endswith("_equals_legacy_ddp")]:  # on every rank
+        flag = torch.tensor([int(report[key])])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        report[key] = bool(flag.item())
+    # a gradient of 40,000 on every rank: weight 1, input 40,000, loss = the output
+    big = nn.Linear(1, size, bias=False)
+    with torch.no_grad():
+        big.weight.fill_(1.0)
+    fully_shard(big, mesh=mesh, mp_policy=MixedPrecisionPolicy(
+        param_dtype=torch.float16, reduce_dtype=torch.float16))
+    gloo_collectives.install(big, group)
+    big(torch.full((1, 1), 40000.0, dtype=torch.float16)).float().sum().backward()
+    stock = legacy_ddp_fp16_reduce(torch.full((size, 1), 40000.0, dtype=torch.float16), group)
+    report["gradient_40000"] = {"fsdp2": big.weight.grad.to_local().flatten().tolist(),
+                                "legacy_ddp": stock[rank].float().tolist()}
+    return report
 
 
 def main() -> None:
@@ -138,13 +206,22 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     report = {"collectives": collectives(mesh.get_group(), 16 * MIB // 4),
               "uneven": collectives(mesh.get_group(), 1001)}
-    theirs, _ = train(mesh, install=False)
-    ours, calls = train(mesh, install=True)
+    theirs, _, _ = train(mesh, install=False)
+    ours, calls, _ = train(mesh, install=True)
     report["train_max_diff"] = max((a - b).abs().max().item() for a, b in zip(ours, theirs))
     report["train_moved"] = min((a - b).abs().max().item()
                                 for a, b in zip(ours, build_model().parameters()))
     report["calls"] = calls
     report["world_size"] = dist.get_world_size()
+    report["like_legacy_ddp"] = like_legacy_ddp(mesh)
+    for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        theirs, _, _ = train(mesh, install=False, reduce_dtype=dtype)
+        ours, calls, dtypes = train(mesh, install=True, reduce_dtype=dtype)
+        report[f"reduce_{name}"] = {
+            "max_diff": max((a - b).abs().max().item() for a, b in zip(ours, theirs)),
+            "moved": min((a - b).abs().max().item()
+                         for a, b in zip(ours, build_model().parameters())),
+            "calls": calls, "reduce_scatter_dtypes": dtypes}
     report_and_exit(report, print_here=dist.get_rank() == 0)
 
 

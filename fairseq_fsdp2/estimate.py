@@ -9,6 +9,7 @@ Takes fairseq-train's own arguments (parsed by fairseq's parser, with this plugi
   --seq-len L              tokens per sentence, source and target (default 128)
   --vocab-size V           build the dictionary with V entries instead of reading DATA's
   --cpu-baseline-gb X      CPU runtime baseline (default: the value measured on this machine)
+  --fit-gb G               also print the largest --max-tokens predicted to fit G GiB per rank
 
 and prints the predicted peak of each class of ranks (ranks with equal shard sizes) with its
 breakdown. Nothing is allocated: the model is built on the meta device (see estimator/).
@@ -23,6 +24,7 @@ import sys
 from typing import Optional, Sequence
 
 from .estimator import from_args
+from .estimator.fit import largest_max_tokens
 from .estimator.peak import Estimate, format_summary
 
 
@@ -32,11 +34,18 @@ def estimate_args(argv: Sequence[str]) -> list[Estimate]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    estimates = estimate_args(sys.argv[1:] if argv is None else argv)
+    args = from_args.parse(sys.argv[1:] if argv is None else argv)
+    if args.fit_gb is not None and args.fit_gb <= 0:
+        raise SystemExit(f"fairseq_fsdp2.estimate: error: --fit-gb {args.fit_gb:g}: give the "
+                         f"memory per rank in GiB, a positive number")
+    estimates = from_args.estimates(args)
     if len(estimates) == 1:
         print(estimates[0].table())
     else:
         print(format_summary(estimates))
+    if args.fit_gb is not None:
+        for e in estimates:
+            print(largest_max_tokens(args, args.fit_gb, e.setup.world_size).line())
     return 0
 
 

@@ -36,6 +36,9 @@ def add_estimator_args(parser: argparse.ArgumentParser) -> None:
                        help="tokens per sentence, source and target (default 128)")
     group.add_argument("--vocab-size", type=int, default=None,
                        help="dictionary size to build the model with, instead of DATA's")
+    group.add_argument("--fit-gb", type=float, default=None, metavar="GIB",
+                       help="also print, for each world size, the largest --max-tokens whose "
+                            "predicted per-rank peak is at most GIB")
     group.add_argument("--cpu-baseline-gb", type=float, default=None,
                        help=f"CPU runtime baseline in GiB (default: {CPU_BASELINE_GB} plus the "
                             f"dictionaries, measured on this project's machine)")

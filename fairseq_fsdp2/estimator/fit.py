@@ -1,0 +1,64 @@
+"""The largest ``--max-tokens`` whose predicted per-rank peak fits a memory budget
+(``python -m fairseq_fsdp2.estimate ... --fit-gb G``).
+
+fairseq forms batches of ``max_tokens // seq_len`` sentences, rounded down to
+``--required-batch-size-multiple`` (model_profile.workload_for), so only multiples of
+seq_len x that multiple give different batches: the search runs over those, by bisection (the
+predicted peak does not fall as the batch grows), each step one trace of the model built once on
+the meta device. A budget too small for one batch of the multiple gives None.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Optional
+
+from .from_args import build_meta_model, profile_for, setup_for
+from .peak import estimate
+
+#: the largest --max-tokens tried: 64 times the granularity (65,536 tokens at 128-token
+#: sentences and batches of multiples of 8)
+MAX_STEPS = 64
+
+
+@dataclass(frozen=True)
+class Fit:
+    world_size: int
+    budget_gb: float
+    max_tokens: Optional[int]  # None: not even the smallest batch fits
+    peak_gb: Optional[float]  # the prediction at max_tokens
+    capped: bool  # the largest tried fits: more may fit
+
+    def line(self) -> str:
+        if self.max_tokens is None:
+            return (f"{self.world_size} rank(s): no --max-tokens fits {self.budget_gb:g} GiB "
+                    f"per rank")
+        more = " (the largest tried; more may fit)" if self.capped else ""
+        return (f"{self.world_size} rank(s): the largest --max-tokens that fits "
+                f"{self.budget_gb:g} GiB per rank is {self.max_tokens}{more}, predicted "
+                f"{self.peak_gb:.2f} GiB")
+
+
+def largest_max_tokens(args, budget_gb: float, world_size: int) -> Fit:
+    """Bisection over the --max-tokens values that give different batches (module docstring)."""
+    step = args.seq_len * max(int(getattr(args, "required_batch_size_multiple", 8) or 1), 1)
+    model = build_meta_model(args)
+    setup = setup_for(args, world_size)
+    peaks: dict[int, float] = {}
+
+    def peak(k: int) -> float:
+        if k not in peaks:
+            trial = copy.copy(args)
+            trial.max_tokens = k * step
+            peaks[k] = estimate(profile_for(trial, model), setup).peak_gb
+        return peaks[k]
+
+    if peak(1) > budget_gb:
+        return Fit(world_size, budget_gb, None, None, False)
+    low, high = 1, MAX_STEPS  # peak(low) fits
+    if peak(high) <= budget_gb:
+        return Fit(world_size, budget_gb, high * step, peak(high), True)
+    while high - low > 1:  # peak(high) does not fit
+        middle = (low + high) // 2
+        low, high = (middle, high) if peak(middle) <= budget_gb else (low, middle)
+    return Fit(world_size, budget_gb, low * step, peak(low), False)

@@ -1,0 +1,44 @@
+"""``python -m fairseq_fsdp2.estimate ... --fit-gb G``: the largest --max-tokens predicted to fit
+G GiB per rank (estimator/fit.py), on the meta device (nothing allocated)."""
+from __future__ import annotations
+
+import pytest
+
+from test_estimate import GIB, nllb_args
+
+from fairseq_fsdp2 import estimate as cli
+from fairseq_fsdp2.estimator import from_args
+from fairseq_fsdp2.estimator.fit import MAX_STEPS, largest_max_tokens
+from fairseq_fsdp2.estimator.peak import estimate
+
+ARGS = nllb_args("transformer_nllb_tiny", "--fp16", "--seq-len", "64")
+STEP = 64 * 8  # --seq-len x --required-batch-size-multiple (8, fairseq's default)
+
+
+def predicted(max_tokens: int, world: int = 2) -> float:
+    args = from_args.parse(ARGS)
+    args.max_tokens = max_tokens
+    return estimate(from_args.profile_for(args), from_args.setup_for(args, world)).peak_gb
+
+
+def test_the_largest_max_tokens_fits_and_one_batch_more_does_not():
+    """A budget between the predictions at 3 and 4 batches of 8 sentences gives 3 batches' tokens
+    (the search's bisection lands on the boundary, whatever it probes first); below one batch:
+    none; above the largest tried: that, said to be capped."""
+    three, four = predicted(3 * STEP), predicted(4 * STEP)
+    assert three < four  # the logits and activations grow with the batch
+    args = from_args.parse(ARGS)
+    fit = largest_max_tokens(args, (three + four) / 2, 2)
+    assert (fit.max_tokens, fit.peak_gb, fit.capped) == (3 * STEP, three, False)
+    assert "is 1536, predicted" in fit.line()
+    assert largest_max_tokens(args, predicted(STEP) - 1 / GIB, 2).max_tokens is None
+    top = largest_max_tokens(args, 1e6, 2)
+    assert top.max_tokens == MAX_STEPS * STEP and top.capped and "more may fit" in top.line()
+
+
+def test_cli_prints_the_fit_and_refuses_a_budget_that_is_no_memory(capsys):
+    assert cli.main(ARGS + ["--world-size", "2", "--fit-gb", "1000"]) == 0
+    assert "2 rank(s): the largest --max-tokens that fits 1000 GiB per rank is" in \
+        capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"^fairseq_fsdp2.estimate: error: --fit-gb -1: give "):
+        cli.main(ARGS + ["--fit-gb", "-1"])

@@ -1,0 +1,215 @@
+"""Adam's moments in 8 bits between steps (``--eight-bit-adam-stats``: optimizer/adam_stats.py,
+the format in optimizer/blockwise_8bit.py).
+
+In one process: the plugin's Adam and a float32 Adam fed the same gradients, every element of
+both moments and of the parameter within a bound derived from the block-wise quantization after
+every step (below); the second moment decays as in float32 where rounding to nearest would
+keep it; the map is bitsandbytes' dynamic map. fairseq-train runs (training against float32
+moments, exact resume, the export), the 2 -> 3 rank reshard and the estimate: the other tests
+of this file.
+
+The bound. A block of the float32 moment y (BLOCK elements of a row) is stored as codes c and
+A = max|y| (exact: a maximum rounds nothing). Each element: x = fl(y / A), |x - y / A| <= U32
+|y| / A; the code is one of x's two neighbours in the map (below the signed map's least value
+-0.993: that value), so |q[c] - x| <= G, the map's largest gap (0.9 / 64 signed, 0.9 / 128
+unsigned: gap_of) or 1 + q[0]; then fl(q[c] x A) rounds once more: |stored - y| <= (G + 2 U32) A
+(|q[c]| <= 1, |y| <= A). Between stores both runs compute beta x stored + (1 - beta) x term in
+float32 from values that differ by the previous bound (at most 4 roundings: as for 16 bits,
+tests/test_adam_stats.py). The step uses the moments before they are stored (the float32 values
+of this step): with |m' - m| <= Bm and |v' - v| <= Bv, fairseq's update lr' m / (sqrt(v) + eps)
+(lr' = lr sqrt(1 - b2^t) / (1 - b1^t)) differs by at most lr' (Bm / (sqrt(v') + eps) + |m|
+Bv / ((sqrt(v') + sqrt(v)) (sqrt(v') + eps) (sqrt(v) + eps))), since |sqrt(v') - sqrt(v)| =
+|v' - v| / (sqrt(v') + sqrt(v)); plus each run's float32 rounding of the update (sqrt, add,
+divide, multiply, subtract: 6 U32 of |update| each, and of |p| for the subtraction).
+
+Unlike 16-bit moments (moment_rounding_step_error), the error is relative to the block's largest
+element, not to the element: an element 10^-3 of its block's largest carries an error of up to
+G / 10^-3 of itself, so no bound relative to the element (or to lr) holds for every element;
+the bound here is computed from the values, element by element.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from fairseq.optim.adam import FairseqAdamConfig
+from omegaconf import OmegaConf
+
+from numerics import U32
+
+from fairseq_fsdp2.optimizer.adam_stats import ABSMAX_KEYS
+from fairseq_fsdp2.optimizer.blockwise_8bit import BLOCK, dequantize, dynamic_map, quantize
+from fairseq_fsdp2.optimizer.build import build_optimizer
+
+BETAS = (0.9, 0.999)
+EPS = 1e-8
+LR = 1e-3
+
+
+def adam(params, eight_bit: bool):
+    cfg = OmegaConf.create({
+        "common": {"fp16": False, "seed": 1}, "optimization": {"update_freq": [1]},
+        "distributed_training": {"eight_bit_adam_stats": eight_bit},
+        "optimizer": OmegaConf.structured(FairseqAdamConfig(
+            _name="adam", lr=[LR], adam_betas=BETAS, adam_eps=EPS, tpu=False))})
+    return build_optimizer(cfg, params).optimizer
+
+
+def gap_of(signed: bool) -> float:
+    """G: the largest distance of a value in [-1, 1] (signed) or [0, 1] to the map value a code
+    may round it to: the largest gap between neighbours, or (signed) below the least value."""
+    q = dynamic_map(signed).double()
+    return max(q.diff().max().item(), (1 + q[0]).item() if signed else 0.0)
+
+
+def test_the_maps_are_bitsandbytes_dynamic_maps():
+    """256 distinct ascending values on [-1, 1] / [0, 1] with 0 and 1 exact; 7 decades of
+    midpoints of even splits of [0.1, 1] (2^i, unsigned 2^(i+1) points in decade i): the
+    largest gaps 0.9 / 64 and 0.9 / 128 (in the top decade) up to float32 rounding of the
+    values; the unsigned map's smallest positive value 10^-6 x 0.325."""
+    for signed, top_points in ((True, 64), (False, 128)):
+        q = dynamic_map(signed).double()
+        assert q.numel() == 256 and (q.diff() > 0).all() and 0.0 in q.tolist() and q[-1] == 1
+        least = -(1 - 0.9 / top_points / 2) if signed else 0.0  # the top decade's last midpoint
+        assert abs(q[0].item() - least) <= 2 * U32
+        assert abs(q.diff().max().item() - 0.9 / top_points) <= 4 * U32
+    assert abs(dynamic_map(False)[1].item() - 0.325e-6) <= 0.325e-6 * 2 * U32
+
+
+def test_quantize_round_trip_within_the_gap_and_unbiased():
+    """One store: every element within (G + 2 U32) x its block's absmax; the absmax are the
+    blocks' maxima (rows of 300: blocks of 256 and 44); each block's largest element, where
+    positive, is stored exactly; a positive second moment is never stored as 0. Stochastic rounding is unbiased:
+    the mean of 1000 independent stores of one value lies within 6 standard deviations (at most
+    G / 2 / sqrt(1000) x A) of it (probability < 2e-9 per element by Hoeffding; 0.1% spread
+    over 600 elements; a fixed seed all the same)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 300) * torch.logspace(-7, 0, 300)
+    for signed, y in ((True, x), (False, x.square())):
+        codes, absmax = quantize(y, signed, g)
+        assert codes.dtype == torch.uint8 and codes.shape == y.shape
+        padded = torch.nn.functional.pad(y.abs(), (0, 2 * BLOCK - 300))
+        assert torch.equal(absmax, padded.view(5, 2, BLOCK).amax(-1))
+        back = dequantize(codes, absmax, signed)
+        a = absmax.repeat_interleave(BLOCK, 1)[:, :300]
+        assert ((back - y).abs() <= (gap_of(signed) + 2 * U32) * a).all()
+        top = y == a  # a positive largest: code 255 is 1 exactly (the signed map's least
+        assert top.any() and torch.equal(back[top], y[top])  # is -0.993, not -1)
+        if not signed:
+            assert (back[y > 0] > 0).all()
+    y = torch.randn(2, 300)
+    runs = torch.stack([dequantize(*quantize(y, True, g), True) for _ in range(1000)])
+    a = torch.nn.functional.pad(y.abs(), (0, 2 * BLOCK - 300)).view(2, 2, BLOCK).amax(-1)
+    a = a.repeat_interleave(BLOCK, 1)[:, :300]
+    inside = y >= dynamic_map(True)[0] * a  # a negative largest (-A) is stored as -0.993 A
+    assert ((runs.mean(0) - y).abs()[inside] <= 4 * gap_of(True) / math.sqrt(1000) *
+            a[inside]).all()
+
+
+def test_8_bit_moments_and_steps_stay_within_their_quantization_of_float32():
+    """30 steps of gradients whose magnitudes span 1e-4..1 along each row (blocks of 256 and a
+    last one of 44 per row; moments over 8 decades), against a float32 Adam fed the same
+    gradients: after every step each moment element within the bound of the module docstring,
+    and each parameter element within the sum of the steps' bounds. A 1-D parameter and one of
+    fewer than 4096 elements keep float32 moments, equal to the float32 run's bit for bit."""
+    torch.manual_seed(0)
+    shapes = {"big": (24, 300), "small": (8, 16), "bias": (5000,)}
+    grads = [{k: torch.randn(s) * (torch.logspace(-4, 0, s[-1]) if k == "big" else 1)
+              for k, s in shapes.items()} for _ in range(30)]
+    ours = {k: torch.nn.Parameter(torch.zeros(s)) for k, s in shapes.items()}
+    ref = {k: torch.nn.Parameter(torch.zeros(s)) for k, s in shapes.items()}
+    opt, ref_opt = adam(list(ours.values()), True), adam(list(ref.values()), False)
+    big, rbig = ours["big"], ref["big"]
+    gap = {"exp_avg": gap_of(True), "exp_avg_sq": gap_of(False)}
+    bound = {k: torch.zeros(shapes["big"]) for k in gap}
+    stored = {k: (torch.zeros(shapes["big"]),) * 2 for k in gap}
+    param_bound = torch.zeros(shapes["big"])
+    b1, b2 = BETAS
+    for t, g in enumerate(grads, start=1):
+        for k in shapes:
+            ours[k].grad, ref[k].grad = g[k].clone(), g[k].clone()
+        before = big.detach().clone()
+        opt.step()
+        ref_opt.step()
+        state, ref_state = opt.state[big], ref_opt.state[rbig]
+        pre = {}
+        for key, beta, term in (("exp_avg", b1, g["big"].abs()),
+                                ("exp_avg_sq", b2, g["big"].square())):
+            assert state[key].dtype == torch.uint8
+            mine, theirs = stored[key]
+            pre[key] = beta * bound[key] + 4 * U32 * (beta * (mine.abs() + theirs.abs())
+                                                      + 2 * (1 - beta) * term)
+            absmax = state[ABSMAX_KEYS[key]]
+            got = dequantize(state[key], absmax, key == "exp_avg")
+            a = absmax.repeat_interleave(BLOCK, 1)[:, :shapes["big"][1]]
+            bound[key] = pre[key] + (gap[key] + 2 * U32) * a
+            want = ref_state[key]
+            excess = ((got - want).abs() - bound[key]).max().item()
+            assert excess <= 0, f"step {t} {key}: {excess} beyond the bound"
+            stored[key] = (got, want)
+        # the step: from the float32 moments of this step (ref's, and ours within pre)
+        m, v = ref_state["exp_avg"], ref_state["exp_avg_sq"]
+        lr_t = LR * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+        v_low = (v - pre["exp_avg_sq"]).clamp_min(0).sqrt()
+        step = lr_t * (pre["exp_avg"] / (v_low + EPS) + m.abs() * pre["exp_avg_sq"] / (
+            (v_low + v.sqrt()).clamp_min(1e-30) * (v_low + EPS) * (v.sqrt() + EPS)))
+        update = lr_t * (m.abs() + pre["exp_avg"]) / (v_low + EPS)
+        param_bound += step + 2 * 6 * U32 * (update + before.abs())
+        excess = ((big - rbig).abs() - param_bound).max().item()
+        assert excess <= 0, f"step {t} parameter: {excess} beyond the bound"
+        for k in ("small", "bias"):  # float32 moments, as the reference's
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert opt.state[ours[k]][key].dtype == torch.float32
+                assert torch.equal(opt.state[ours[k]][key], ref_opt.state[ref[k]][key])
+            assert ABSMAX_KEYS["exp_avg"] not in opt.state[ours[k]]
+    # not vacuous: the 8-bit moments differ, by far less than the largest moment
+    m8 = dequantize(opt.state[big]["exp_avg"], opt.state[big]["exp_avg_absmax"], True)
+    m32 = ref_opt.state[rbig]["exp_avg"]
+    assert 0 < (m8 - m32).abs().max() < 0.05 * m32.abs().max()
+
+
+def test_8_bit_second_moment_decays_as_in_float32():
+    """Why stochastic rounding (blockwise_8bit.py): a 64 x 4096 parameter whose blocks' first
+    elements get gradient 1 at every step (each block's largest v, 1 - 0.999^t), the others
+    +-1 for 50 steps and then 0 for 250, against a float32 Adam fed the same gradients. There
+    the decaying elements' v moves by 0.1% of itself per step, and the block's largest grows
+    by less than 1%: below half the unsigned map's relative gap near them (about 0.0035 / x,
+    x = v / absmax = 0.15 .. 1: 0.35% .. 2.4%), so rounded to nearest (the control) v keeps
+    its code, and stays far above. The plugin's codes, rounded stochastically, are unbiased:
+    each store's error has mean zero given the past and magnitude at most G x A (A <= 0.26, the
+    block's absmax at step 300; G = 0.9 / 128), and reaches v_T multiplied by b2^(T-t) <= 1.
+    So the mean of v over the N = 64 x 4080 decaying elements is off from float32's by a sum
+    of N x T martingale increments of at most G A / N each: by Azuma-Hoeffding it exceeds eps
+    with probability at most 2 exp(-eps^2 N / (2 T G^2 A^2)): for eps = 5e-4 (1.3% of the
+    exact v, 0.038), N = 261120, T = 300: 2 e^-32 (the seed is fixed: deterministic all the
+    same). The float32 arithmetic of both runs differs by far less (300 x 8 x U32 of v)."""
+    rows, cols, up, down = 64, 4096, 50, 250
+    p, ref = torch.nn.Parameter(torch.zeros(rows, cols)), torch.nn.Parameter(torch.zeros(rows, cols))
+    opt, ref_opt = adam([p], True), adam([ref], False)
+    qmap = dynamic_map(False)
+    midpoints = (qmap[1:] + qmap[:-1]) / 2
+    nearest = torch.zeros(rows, cols)  # v stored rounded to nearest, in the same blocks
+    torch.manual_seed(0)
+    for t in range(up + down):
+        g = torch.randint(0, 2, (rows, cols)).float() * 2 - 1 if t < up else \
+            torch.zeros(rows, cols)
+        g[:, ::BLOCK] = 1.0  # each block's first element: its largest
+        p.grad, ref.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+        y = (BETAS[1] * nearest + (1 - BETAS[1]) * g * g).view(rows, -1, BLOCK)
+        a = y.amax(-1, keepdim=True)
+        nearest = (qmap[torch.bucketize(y / a, midpoints)] * a).view(rows, cols)
+    state = opt.state[p]
+    v = dequantize(state["exp_avg_sq"], state["exp_avg_sq_absmax"], False)
+    exact = ref_opt.state[ref]["exp_avg_sq"]
+    decaying = torch.ones(rows, cols, dtype=torch.bool)
+    decaying[:, ::BLOCK] = False
+    want = exact[decaying].mean().item()
+    eps = 5e-4 + (up + down) * 8 * U32
+    print(f"mean v: float32 {want:.6f}, 8-bit {v[decaying].mean().item():.6f}, "
+          f"rounded to nearest {nearest[decaying].mean().item():.6f}")
+    assert abs(v[decaying].mean().item() - want) <= eps
+    # the rounding-to-nearest control is far off: the test tells the two apart
+    assert nearest[decaying].mean().item() - want > 20 * eps

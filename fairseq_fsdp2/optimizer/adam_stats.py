@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..sharding.mesh import comm_device
-from .blockwise_8bit import absmax_shape, dequantize, quantizable, quantize
+from .blockwise_8bit import dequantize, quantizable, quantize, rows_like
 from .local_shard_step import ELEMENTWISE, mix_into
 from .stochastic_round import generator_for, to_bf16_stochastic
 
@@ -114,16 +114,6 @@ def _like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return local
     return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
                               shape=like.shape, stride=like.stride())
-
-
-def _like_rows(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``local`` (the block maxima of ``like``'s local rows) as a DTensor laid out as ``like``'s
-    rows are: the same mesh and placements (``Shard(0)``), the global rows of ``like``."""
-    if not isinstance(like, DTensor):
-        return local
-    shape = absmax_shape(like.shape)
-    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
-                              shape=torch.Size(shape), stride=(shape[1], 1))
 
 
 def _rows_sharded(p: torch.Tensor) -> bool:
@@ -328,7 +318,7 @@ class SixteenBitMoments:
                     state[key], state[ABSMAX_KEYS[key]] = old[0], old[2]
                 else:
                     codes, absmax = quantize(local, SIGNED[key], generator)
-                    state[key], state[ABSMAX_KEYS[key]] = _like(codes, p), _like_rows(absmax, p)
+                    state[key], state[ABSMAX_KEYS[key]] = _like(codes, p), rows_like(absmax, p)
 
     def _scales(self, bucket: list) -> list[torch.Tensor]:
         """fairseq's scale of each moment of the bucket: 1e-8 + max|moment| / 65504, the max
@@ -376,34 +366,6 @@ class SixteenBitMoments:
         self.mixed_state_loaded = mixed
 
 
-def fit_to_saved(optimizer_state: dict, saved: dict, prefix: str = "optim.state.") -> None:
-    """Make ``optimizer_state`` (``get_optimizer_state_dict``'s, parameters by name), the
-    destination of a DCP load, hold what the checkpoint holds: each moment in its saved dtype
-    and a scale where the checkpoint has one; so that a run resumed with or without a 16-bit
-    flag reads the other format's state as it was (its next step converts it). ``saved``: the
-    checkpoint's flattened keys (``PREFIX<name>.<key>``) -> the saved tensor's dtype."""
-    for name, per_param in optimizer_state.get("state", {}).items():
-        for key in MOMENTS:
-            value, stored = per_param.get(key), f"{prefix}{name}.{key}"
-            if not torch.is_tensor(value) or stored not in saved:
-                continue
-            dtype = saved[stored]
-            if dtype is not None and dtype != value.dtype:
-                per_param[key] = value.to(dtype)
-            scale_key = SCALE_KEYS[key]
-            if f"{prefix}{name}.{scale_key}" not in saved:
-                per_param.pop(scale_key, None)
-            elif not torch.is_tensor(per_param.get(scale_key)):
-                per_param[scale_key] = torch.ones((), device=_local(value).device)
-            absmax_key = ABSMAX_KEYS[key]  # 8 bits: the block maxima, sharded like the rows
-            if f"{prefix}{name}.{absmax_key}" not in saved:
-                per_param.pop(absmax_key, None)
-            elif not torch.is_tensor(per_param.get(absmax_key)):
-                local = _local(value)
-                per_param[absmax_key] = _like_rows(torch.zeros(
-                    (local.shape[0], absmax_shape(value.shape)[1]), device=local.device), value)
-
-
 #: --fp16-adam-stats / --bf16-adam-stats / --eight-bit-adam-stats -> the moments' dtype
 #: between steps (uint8: block-wise quantized codes)
 MOMENT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -414,8 +376,7 @@ def use_16_bit_moments(torch_optimizer: torch.optim.Optimizer, stats: str = "fp3
                        local_shards: bool = True, seed: int = 0) -> bool:
     """Keep the moments of ``torch_optimizer`` (if it is fairseq's Adam) as ``stats`` asks
     (``fp32``, ``fp16``, ``bf16``, ``8bit``); returns whether it is Adam. Every Adam gets the
-    mixin, so
-    that a 16-bit state loaded into a float32 run is widened."""
+    mixin, so that a 16-bit or 8-bit state loaded into a float32 run is widened."""
     if not mix_into(torch_optimizer, SixteenBitMoments, ELEMENTWISE):
         return False
     torch_optimizer.moment_dtype = MOMENT_DTYPES[stats]

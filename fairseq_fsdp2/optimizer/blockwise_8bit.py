@@ -43,6 +43,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 #: elements per block (bitsandbytes' and torchao's block size)
 BLOCK = 256
@@ -81,6 +82,16 @@ def absmax_shape(shape: torch.Size) -> tuple[int, int]:
     """(rows, blocks per row) of the absmax of a tensor of ``shape``."""
     row = math.prod(shape[1:])
     return shape[0], -(-row // BLOCK)
+
+
+def rows_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``local`` (the block maxima of ``like``'s local rows) as a DTensor laid out as ``like``'s
+    rows are: the same mesh and placements (``Shard(0)``), the global rows of ``like``."""
+    if not isinstance(like, DTensor):
+        return local
+    shape = absmax_shape(like.shape)
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                              shape=torch.Size(shape), stride=(shape[1], 1))
 
 
 def _row_chunks(rows: int, row: int):

@@ -36,7 +36,9 @@ import torch
 from fairseq.optim.adam import FairseqAdamConfig
 from omegaconf import OmegaConf
 
-from numerics import U32
+from conftest import train_args_for
+from launcher import ok, run_command, run_ranks
+from numerics import U32, per_update, printed_close
 
 from fairseq_fsdp2.optimizer.adam_stats import ABSMAX_KEYS
 from fairseq_fsdp2.optimizer.blockwise_8bit import BLOCK, dequantize, dynamic_map, quantize
@@ -213,3 +215,122 @@ def test_8_bit_second_moment_decays_as_in_float32():
     assert abs(v[decaying].mean().item() - want) <= eps
     # the rounding-to-nearest control is far off: the test tells the two apart
     assert nearest[decaying].mean().item() - want > 20 * eps
+
+
+# -- fairseq-train ------------------------------------------------------------------------------
+
+FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1"]
+#: the tiny model (conftest.TINY_MODEL) at width 64: its attention projections (64 x 64), FFN
+#: (128 x 64) and embedding (88 x 64) reach 8 bits' 4096 elements; biases and norms stay float32
+WIDER = ["--encoder-embed-dim", "64", "--decoder-embed-dim", "64",
+         "--encoder-ffn-embed-dim", "128", "--decoder-ffn-embed-dim", "128"]
+UPDATES = 200
+#: the 8-bit run saves at update 190 (resumed below) and at its end
+EIGHT_BIT = ["--eight-bit-adam-stats", "--save-interval-updates", "190"]
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory):
+    """2-rank runs of the wider tiny model, 200 updates (about 45 s with float32 moments, 65 s
+    with 8-bit ones on a Zen 2 core each): flags -> (rank 0's output, save dir), each once."""
+    done = {}
+
+    def run(*flags):
+        if flags not in done:
+            save_dir = tmp_path_factory.mktemp("run")
+            done[flags] = (ok(run_ranks(2, lambda r: train_args_for(
+                corpus, save_dir, *FSDP2, *WIDER, *flags, updates=UPDATES,
+                save="--save-interval-updates" in flags), timeout=600)), save_dir)
+        return done[flags]
+    return run
+
+
+def eight_bit_training_tolerance() -> float:
+    """Relative tolerance for the printed loss and gnorm of an update of the 8-bit run against
+    the float32-moment run: an ESTIMATE derived from the rounding, not a bound (a bound relative
+    to each element does not exist: the module docstring).
+
+    Each store's stochastic rounding error has mean zero given the past and lies within one gap
+    of the map, at most G x A (A: the block's largest element), so its standard deviation is at
+    most G / 2 x A. Carried into later moments multiplied by beta^k, independent draws add up
+    to a standard deviation of at most G / 2 x A x sqrt(sum beta^2k): 1 / sqrt(1 - 0.81) = 2.3
+    for m (G = 0.9 / 64), sqrt((1 - 0.999^400) / (1 - 0.999^2)) = 12.8 for v by update 200
+    (G = 0.9 / 128): 1.6% of the block's largest m, 4.5% of its largest v. An element near its
+    block's largest (those with the largest gradients, which move the loss most) then steps by
+    a fraction e = 1.6% + 4.5% / 2 = 3.9% (one standard deviation; 4 of them: 15%) differently;
+    as in tests/test_backend.py's adam_stats_tolerance, a relative change e of the steps moves
+    the loss by at most e x what the steps moved it (< the first loss): 3 e. Elements far below
+    their block's largest carry larger relative errors but small gradients. The two runs'
+    float32 arithmetic is otherwise the same."""
+    g_m, g_v = 0.9 / 64, 0.9 / 128
+    sd_m = g_m / 2 / math.sqrt(1 - BETAS[0] ** 2)
+    sd_v = g_v / 2 * math.sqrt((1 - BETAS[1] ** (2 * UPDATES)) / (1 - BETAS[1] ** 2))
+    return 3 * 4 * (sd_m + sd_v / 2)
+
+
+def test_eight_bit_adam_stats_train_within_their_rounding_of_float32_moments(trained):
+    """--eight-bit-adam-stats against the same run with float32 moments, 200 updates: update 1
+    and 2 equal bit for bit (the first step reads no stored moment), every later update's loss
+    and gnorm within eight_bit_training_tolerance, and the runs do differ."""
+    ours, _ = trained(*EIGHT_BIT)
+    assert "Adam's moments kept in 8bit between steps (--eight-bit-adam-stats)" in ours
+    got, want = per_update(ours), per_update(trained()[0])
+    assert sorted(got) == sorted(want) == list(range(1, UPDATES + 1))
+    assert got[1] == want[1] and got[2] == want[2], (got[1], want[1], got[2], want[2])
+    tolerance = eight_bit_training_tolerance()
+    worst = max(abs(float(x) - float(y)) / abs(float(y))
+                for n in got for x, y in zip(got[n], want[n]))
+    print(f"largest relative difference over {UPDATES} updates: {worst:.2e} "
+          f"(tolerance {tolerance:.2e} + the printed rounding)")
+    for n in range(3, UPDATES + 1):
+        for key, x, y in zip(("loss", "gnorm"), got[n], want[n]):
+            assert printed_close(x, y, tolerance, key), (n, got[n], want[n], tolerance)
+    assert got != want
+    assert float(got[UPDATES][0]) < 0.6 * float(got[1][0])  # it trained
+
+
+def test_eight_bit_adam_stats_are_saved_in_8_bits_and_resume_exactly(trained, corpus, tmp_path):
+    """The checkpoint of update 190 holds the weights' moments as uint8 codes shaped like the
+    weights with float32 block maxima (rows x blocks), the biases' and norms' in float32 (DCP
+    metadata); resumed from it, updates 191-200 equal the uninterrupted run's, bit for bit
+    (the stochastic rounding draws from the seed, the step and the parameter's place)."""
+    import torch.distributed.checkpoint as dcp
+
+    from fairseq_fsdp2.checkpoint.sharded import SHARDS_DIR
+    out, save_dir = trained(*EIGHT_BIT)
+    full = per_update(out)
+    (checkpoint,) = save_dir.glob(f"checkpoint_*_{UPDATES - 10}.pt")
+    shards = torch.load(checkpoint, weights_only=True)["fsdp2"]["shards"]
+    assert shards.startswith(SHARDS_DIR)
+    saved = dcp.FileSystemReader(str(save_dir / shards)).read_metadata().state_dict_metadata
+    codes = {k: v for k, v in saved.items() if k.startswith("optim.state.") and
+             k.endswith((".exp_avg", ".exp_avg_sq")) and v.properties.dtype == torch.uint8}
+    wide = [k for k, v in saved.items() if k.startswith("optim.state.") and
+            k.endswith((".exp_avg", ".exp_avg_sq")) and v.properties.dtype == torch.float32]
+    assert codes and wide and all(".bias." in k or "layer_norm" in k for k in wide), wide
+    for key, meta in codes.items():
+        absmax = saved[key + "_absmax"]
+        rows, row = meta.size[0], math.prod(meta.size[1:])
+        assert absmax.properties.dtype == torch.float32
+        assert tuple(absmax.size) == (rows, -(-row // BLOCK)), (key, absmax.size)
+    resumed = per_update(ok(run_ranks(2, lambda r: train_args_for(
+        corpus, tmp_path, *FSDP2, *WIDER, *EIGHT_BIT, "--restore-file", checkpoint,
+        updates=UPDATES))))
+    assert resumed == {n: full[n] for n in range(UPDATES - 9, UPDATES + 1)}, (resumed, full)
+
+
+def test_consolidate_exports_weights_without_the_8_bit_state(trained, tmp_path):
+    """python -m fairseq_fsdp2.consolidate on the 8-bit run's last checkpoint: a stock
+    checkpoint of float32 weights, the model's parameters (no codes, no block maxima) and no
+    optimizer state, as for a float32-moment run."""
+    out, save_dir = trained(*EIGHT_BIT)
+    exported = tmp_path / "model.pt"
+    proc = run_command("fairseq_fsdp2.consolidate", save_dir / "checkpoint_last.pt", exported)
+    assert proc.returncode == 0, proc.output[-2000:]
+    state = torch.load(exported, weights_only=True)
+    assert "last_optimizer_state" not in state and "fsdp2" not in state
+    model = state["model"]
+    assert model and all(t.dtype == torch.float32 for t in model.values())
+    assert not any("absmax" in k or "exp_avg" in k for k in model)
+    assert "encoder.layers.0.self_attn.k_proj.weight" in model
+    assert model["encoder.layers.0.self_attn.k_proj.weight"].shape == (64, 64)

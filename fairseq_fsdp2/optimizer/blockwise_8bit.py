@@ -33,7 +33,8 @@ need:
   to 0 would step by m / eps.
 
 Work is done a chunk of rows at a time (about CHUNK elements): the temporaries (int64 indices,
-float32 quotients and random numbers) stay below ~100 MiB whatever the parameter's size.
+float32 quotients and random numbers) stay below CHUNK x TEMPORARY_BYTES = 128 MiB whatever the
+parameter's size.
 """
 from __future__ import annotations
 
@@ -51,7 +52,11 @@ BLOCK = 256
 #: bitsandbytes' min_8bit_size; so do 1-D ones (biases, layer norms: few elements)
 MIN_NUMEL = 4096
 #: elements quantized per chunk of rows (at least one row)
-CHUNK = 1 << 22
+CHUNK = 1 << 21
+#: at most this many bytes of temporaries per element of a chunk while quantizing (int64
+#: indices and codes, float32 quotients, neighbours and random numbers, a padded copy): 56,
+#: rounded up; dequantizing needs fewer (an int64 index and float32 values: 16)
+TEMPORARY_BYTES = 64
 DECADES = 7
 
 

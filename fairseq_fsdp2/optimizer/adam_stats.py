@@ -235,7 +235,8 @@ class SixteenBitMoments:
                 local = _local(value)
                 if self.moment_dtype == torch.uint8 and self._numel(p) <= KEEP_MAX:
                     kept[id(p), key] = (value, local, absmax, _local(absmax))
-                state[key] = dequantize(local, _local(absmax), SIGNED[key])
+                wide = dequantize(local, _local(absmax), SIGNED[key])
+                state[key] = wide if self.local_shards else _like(wide, p)  # DTensor dispatch
                 continue
             if not self.local_shards:  # fairseq: exp_avg.float() * state["exp_avg_scale"]
                 wide = value.float()

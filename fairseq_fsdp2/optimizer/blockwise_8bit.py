@@ -73,7 +73,13 @@ def _map_values(signed: bool) -> tuple[float, ...]:
 
 
 def dynamic_map(signed: bool, device=None) -> torch.Tensor:
-    """The 256 values a code stands for (float32, ascending)."""
+    """The 256 values a code stands for (float32, ascending; one tensor per device, made once:
+    no host-to-device copy per call). Not to be modified."""
+    return _map_on(signed, torch.device(device or "cpu"))
+
+
+@lru_cache(maxsize=None)
+def _map_on(signed: bool, device: torch.device) -> torch.Tensor:
     return torch.tensor(_map_values(signed), dtype=torch.float32, device=device)
 
 

@@ -65,8 +65,9 @@ NARROW = (*SIXTEEN_BIT, torch.uint8)
 
 
 class Held:
-    """A 16-bit (or 8-bit) state tensor passed through torch's ``load_state_dict`` untouched (it casts
-    every floating tensor of the state to the parameter's dtype; other objects it keeps)."""
+    """A 16-bit (or 8-bit) state tensor passed through torch's ``load_state_dict`` untouched
+    (it casts every state tensor of a floating parameter to the parameter's dtype; other
+    objects it keeps)."""
 
     __slots__ = ("tensor",)
 
@@ -75,8 +76,8 @@ class Held:
 
 
 def _hold_16_bit(optimizer: torch.optim.Optimizer, state_dict: dict) -> Optional[dict]:
-    """load_state_dict pre-hook: wrap the 16-bit (8-bit) moments laid out like their parameter (a
-    stock checkpoint's full tensors for sharded parameters are not: full_state.py cuts
+    """load_state_dict pre-hook: wrap the 16-bit (8-bit) moments laid out like their parameter
+    (a stock checkpoint's full tensors for sharded parameters are not: full_state.py cuts
     those, in float32)."""
     if "state" not in state_dict or "param_groups" not in state_dict:
         return None

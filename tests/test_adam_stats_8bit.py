@@ -4,9 +4,10 @@ the format in optimizer/blockwise_8bit.py).
 In one process: the plugin's Adam and a float32 Adam fed the same gradients, every element of
 both moments and of the parameter within a bound derived from the block-wise quantization after
 every step (below); the second moment decays as in float32 where rounding to nearest would
-keep it; the map is bitsandbytes' dynamic map. fairseq-train runs (training against float32
-moments, exact resume, the export), the 2 -> 3 rank reshard and the estimate: the other tests
-of this file.
+keep it; the map is bitsandbytes' dynamic map. Then fairseq-train runs: training against
+float32 moments, exact resume, the export. Elsewhere: the 2 -> 3 rank reshard and conversions
+(tests/test_adam_stats.py), the local-shard step against DTensor dispatch
+(tests/test_local_shards.py), the estimate (tests/test_estimate.py).
 
 The bound. A block of the float32 moment y (BLOCK elements of a row) is stored as codes c and
 A = max|y| (exact: a maximum rounds nothing). Each element: x = fl(y / A), |x - y / A| <= U32
@@ -177,7 +178,7 @@ def test_8_bit_second_moment_decays_as_in_float32():
     elements get gradient 1 at every step (each block's largest v, 1 - 0.999^t), the others
     +-1 for 50 steps and then 0 for 250, against a float32 Adam fed the same gradients. There
     the decaying elements' v moves by 0.1% of itself per step, and the block's largest grows
-    by less than 1%: below half the unsigned map's relative gap near them (about 0.0035 / x,
+    by less than 1% per step from step 100 on: below half the unsigned map's relative gap near them (about 0.0035 / x,
     x = v / absmax = 0.15 .. 1: 0.35% .. 2.4%), so rounded to nearest (the control) v keeps
     its code, and stays far above. The plugin's codes, rounded stochastically, are unbiased:
     each store's error has mean zero given the past and magnitude at most G x A (A <= 0.26, the

@@ -102,6 +102,13 @@ def test_quantize_round_trip_within_the_gap_and_unbiased():
         assert top.any() and torch.equal(back[top], y[top])  # is -0.993, not -1)
         if not signed:
             assert (back[y > 0] > 0).all()
+    # a rank's empty shard (more ranks than rows) and a 3-D parameter (rows of 4 x 100)
+    codes, absmax = quantize(torch.zeros(0, 300), True, g)
+    assert codes.shape == (0, 300) and absmax.shape == (0, 2)
+    z = torch.randn(3, 4, 100)
+    codes, absmax = quantize(z, True, g)
+    assert absmax.shape == (3, 2) and torch.equal(absmax[:, 0], z.reshape(3, 400)[:, :BLOCK]
+                                                  .abs().amax(1))
     y = torch.randn(2, 300)
     runs = torch.stack([dequantize(*quantize(y, True, g), True) for _ in range(1000)])
     a = torch.nn.functional.pad(y.abs(), (0, 2 * BLOCK - 300)).view(2, 2, BLOCK).amax(-1)

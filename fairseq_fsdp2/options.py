@@ -100,6 +100,14 @@ class FSDP2DistributedTrainingConfig(DistributedTrainingConfig):
                           "steps (stochastic rounding), as --fp16-adam-stats keeps them in "
                           "fp16: half the optimizer state's memory; meant for --bf16 runs"},
     )
+    eight_bit_adam_stats: bool = field(
+        default=False,
+        metadata={"help": "FSDP2, --optimizer adam: keep Adam's two moments in 8 bits between "
+                          "steps, block-wise quantized per shard as bitsandbytes' and torchao's "
+                          "8-bit Adam (blocks of 256 within rows, stochastic rounding; "
+                          "parameters under 4096 elements or 1-D keep float32): about a "
+                          "quarter of the optimizer state's memory"},
+    )
     fsdp2_tied_grad_buffer: bool = field(
         default=False,
         metadata={"help": "FSDP2: accepted for older command lines; the tied-gradient buffer "
@@ -186,9 +194,16 @@ def validate(dt: FSDP2DistributedTrainingConfig, *, min_params_to_wrap: int, fp1
                           "choose one")
     if dt.bf16_adam_stats and fp16_adam_stats:
         raise OptionError("--bf16-adam-stats and --fp16-adam-stats conflict: choose one")
-    if dt.bf16_adam_stats and optimizer != "adam":
-        raise OptionError(f"--bf16-adam-stats keeps Adam's moments: it needs --optimizer adam, "
-                          f"got --optimizer {optimizer}")
+    eight_bit = getattr(dt, "eight_bit_adam_stats", False)
+    for other, given in (("--fp16-adam-stats", fp16_adam_stats),
+                         ("--bf16-adam-stats", dt.bf16_adam_stats)):
+        if eight_bit and given:
+            raise OptionError(f"--eight-bit-adam-stats and {other} conflict: choose one")
+    for flag, given in (("--bf16-adam-stats", dt.bf16_adam_stats),
+                        ("--eight-bit-adam-stats", eight_bit)):
+        if given and optimizer != "adam":
+            raise OptionError(f"{flag} keeps Adam's moments: it needs --optimizer adam, "
+                              f"got --optimizer {optimizer}")
     check_reduce_dtype(str(getattr(dt, "fsdp2_reduce_dtype", "fp32")), fp16=fp16, bf16=bf16)
     new_lang_sources(getattr(dt, "init_new_langs_from", None))
     breakdown = dt.fsdp2_memory_breakdown

@@ -1,7 +1,7 @@
 """(not a test; `.venv/bin/python scripts/benchmark_optimizer_step.py [--tensors N] [--elements N]
-[--steps N] [--adam-stats {fp16,bf16}]`) The CPU time of the optimizer's part of an update on FSDP2
-parameters, DTensor dispatch against the local shards (and, with --adam-stats, 16-bit Adam
-moments). What it measures and why: fairseq_fsdp2/benchmarks/optimizer_step.py.
+[--steps N] [--adam-stats {fp16,bf16,8bit}]`) The CPU time of the optimizer's part of an update on
+FSDP2 parameters, DTensor dispatch against the local shards (and, with --adam-stats, 16-bit or
+8-bit Adam moments). What it measures and why: fairseq_fsdp2/benchmarks/optimizer_step.py.
 """
 import argparse
 import sys
@@ -18,8 +18,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="parameter tensors (default: NLLB-600M's 509)")
     parser.add_argument("--elements", type=int, default=64, help="elements per tensor")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps (first dropped)")
-    parser.add_argument("--adam-stats", choices=("fp16", "bf16"), default=None,
-                        help="also time the local shards with Adam's moments in 16 bits")
+    parser.add_argument("--adam-stats", choices=("fp16", "bf16", "8bit"), default=None,
+                        help="also time the local shards with Adam's moments in 16 bits, or in "
+                             "8 bits (weights of --elements 4096 or more; smaller ones keep "
+                             "float32 moments)")
     return parser
 
 

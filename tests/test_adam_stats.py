@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from conftest import REPO
 from launcher import ok, run_ranks
-from numerics import BF16_MOMENT, FP16_MOMENT, U32
+from numerics import BF16_MOMENT, EIGHT_BIT_SIGNED_GAP, FP16_MOMENT, U32
 
 from fairseq_fsdp2.optimizer.adam_stats import SCALE_KEYS
 from fairseq_fsdp2.optimizer.build import build_optimizer
@@ -142,30 +142,43 @@ def resharded(tmp_path_factory):
     return json.loads(next(line for line in out.splitlines() if line.startswith("PROBE "))[6:])
 
 
-#: (saved, run) -> the moments' dtype as loaded, and after the next step
-DTYPES = {"fp16->fp16": ("torch.float16", "torch.float16"),
-          "bf16->bf16": ("torch.bfloat16", "torch.bfloat16"),
-          "fp16->fp32": ("torch.float16", "torch.float32"),
-          "fp32->fp16": ("torch.float32", "torch.float16"),
-          "bf16->fp16": ("torch.bfloat16", "torch.float16")}
+F32, F16, BF16, U8 = "torch.float32", "torch.float16", "torch.bfloat16", "torch.uint8"
+#: (saved, run) -> the moments' dtypes as loaded, and after the next step (8 bits: the
+#: weights' codes; the biases, under 4096 elements, keep float32)
+DTYPES = {"fp16->fp16": ([F16], [F16]),
+          "bf16->bf16": ([BF16], [BF16]),
+          "fp16->fp32": ([F16], [F32]),
+          "fp32->fp16": ([F32], [F16]),
+          "bf16->fp16": ([BF16], [F16]),
+          "8bit->8bit": ([F32, U8], [F32, U8]),
+          "8bit->fp32": ([F32, U8], [F32]),
+          "fp32->8bit": ([F32], [F32, U8]),
+          "fp16->8bit": ([F16], [F32, U8])}
 
 
 @pytest.mark.parametrize("pair", list(DTYPES))
-def test_16_bit_state_reshards_and_converts_between_formats(resharded, pair):
-    """Saved by 2 ranks in the plugin's sharded checkpoint, loaded by 3 (other, uneven shards):
-    the state is what was saved, bit for bit, in its saved dtype (16-bit moments are not widened
-    to float32 by loading: no float32 copy of the state at resume); and with or without the
-    flag, the next step computes from the saved values and stores the run's own format."""
+def test_16_and_8_bit_state_reshards_and_converts_between_formats(resharded, pair):
+    """Saved by 2 ranks in the plugin's sharded checkpoint, loaded by 3 (other, uneven shards;
+    8 bits: blocks of 256 and 44 in the 300-element rows, one block in the 20-element rows):
+    the state is what was saved, bit for bit, in its saved dtype (16-bit moments are not
+    widened to float32 by loading, 8-bit codes not cast: no float32 copy of the state at
+    resume); and with or without the flag, the next step computes from the saved values and
+    stores the run's own format."""
     r = resharded[pair]
     run = pair.split("->")[1]
     assert r["bits_equal"]
-    assert r["loaded_dtypes"] == [DTYPES[pair][0]]
-    assert r["after_dtypes"] == [DTYPES[pair][1]] and r["after_is_dtensor"]
+    assert r["loaded_dtypes"] == DTYPES[pair][0]
+    assert r["after_dtypes"] == DTYPES[pair][1] and r["after_is_dtensor"]
     scales = {"exp_avg_scale", "exp_avg_sq_scale"}
     assert scales <= set(r["after_keys"]) if run == "fp16" else not scales & set(r["after_keys"])
+    absmax = {"exp_avg_absmax", "exp_avg_sq_absmax"}
+    assert absmax <= set(r["after_keys"]) if run == "8bit" else not absmax & set(r["after_keys"])
     # the zero-gradient step: m x 0.9 and v x 0.999 of the saved values, exact in float32,
     # then one store in the run's format (relative to each tensor's largest element: fp16's
-    # rounding, plus its underflow floor of 2^-25 x scale = 2^-25 x (1e-8 / max + 1 / 65504))
+    # rounding, plus its underflow floor of 2^-25 x scale = 2^-25 x (1e-8 / max + 1 / 65504);
+    # 8 bits: the map's largest gap plus 2 U32 of the block's largest, at most the tensor's:
+    # tests/test_adam_stats_8bit.py)
     floor = 2.0 ** -25 * (1e-8 / r["min_peak"] + 1 / 65504) * (1 + 4 * U32)
-    allowed = {"fp32": 0.0, "fp16": FP16_MOMENT + floor, "bf16": BF16_MOMENT}[run]
+    allowed = {"fp32": 0.0, "fp16": FP16_MOMENT + floor, "bf16": BF16_MOMENT,
+               "8bit": EIGHT_BIT_SIGNED_GAP + 2 * U32}[run]
     assert r["min_peak"] > 0 and r["after_max_rel"] <= allowed

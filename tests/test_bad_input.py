@@ -136,11 +136,21 @@ CATALOGUE = {
         (1, ["--bf16", "--bf16-adam-stats", "--optimizer", "adafactor"],
          "--bf16-adam-stats keeps Adam's moments: it needs --optimizer adam, got --optimizer "
          "adafactor")],
-    "`--bf16-adam-stats` or `--init-new-langs-from` with another backend (`--ddp-backend "
-    "legacy_ddp`, ...)": [
+    "`--eight-bit-adam-stats` with `--fp16-adam-stats` or `--bf16-adam-stats`, or without "
+    "Adam": [
+        (1, ["--eight-bit-adam-stats", "--fp16-adam-stats"],
+         "--eight-bit-adam-stats and --fp16-adam-stats conflict: choose one"),
+        (1, ["--bf16", "--eight-bit-adam-stats", "--bf16-adam-stats"],
+         "--eight-bit-adam-stats and --bf16-adam-stats conflict: choose one"),
+        (1, ["--eight-bit-adam-stats", "--optimizer", "adafactor"],
+         "--eight-bit-adam-stats keeps Adam's moments: it needs --optimizer adam, got "
+         "--optimizer adafactor")],
+    "`--bf16-adam-stats`, `--eight-bit-adam-stats` or `--init-new-langs-from` with another "
+    "backend (`--ddp-backend legacy_ddp`, ...)": [
         (1, [flag, *value, "--ddp-backend", "legacy_ddp"],
          f"{flag} needs --ddp-backend fsdp2: --ddp-backend legacy_ddp would ignore it")
-        for flag, value in [("--bf16-adam-stats", []), ("--init-new-langs-from", ["eng_Latn"])]],
+        for flag, value in [("--bf16-adam-stats", []), ("--eight-bit-adam-stats", []),
+                            ("--init-new-langs-from", ["eng_Latn"])]],
     "`--ema-seed-model` that does not exist or holds no EMA": [
         (1, ["--store-ema", "--ema-seed-model", "{absent}"],
          "--ema-seed-model not found: {absent}"),

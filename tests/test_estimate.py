@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -148,14 +149,21 @@ def shard_bytes_per_rank(shard_dir: Path, aliases=()) -> dict[int, dict[str, int
     return found
 
 
-@pytest.mark.parametrize("stats", [[], ["--fp16", "--fp16-adam-stats", "--store-ema"]],
-                         ids=["fp32", "fp16-moments-and-ema"])
+#: 8-bit moments: the tiny model at width 72, so that its weights reach 8 bits' 4096 elements
+#: (72 x 72 projections, 144 x 72 and 72 x 144 FFN: rows of one block; the embedding)
+EIGHT_BIT = ["--eight-bit-adam-stats", "--encoder-embed-dim", "72", "--decoder-embed-dim", "72",
+             "--encoder-ffn-embed-dim", "144", "--decoder-ffn-embed-dim", "144"]
+
+
+@pytest.mark.parametrize("stats", [[], ["--fp16", "--fp16-adam-stats", "--store-ema"],
+                                   EIGHT_BIT], ids=["fp32", "fp16-moments-and-ema", "8bit"])
 def test_sharded_and_optimizer_bytes_equal_a_real_two_rank_checkpoint(corpus, tmp_path, stats):
     """The estimator against reality, term by term: the bytes of parameter shards, of Adam's
     state and of the EMA it predicts for each rank equal the bytes each rank of a real 2-rank
     FSDP2 run holds (counted from the tensors it saved after one update): Adam's moments in
-    float32, and in fp16 beside an fp16 EMA (--fp16 --store-ema). The tiny model has odd-sized
-    dims: dim-0 shards are uneven and the ranks fall into classes."""
+    float32, in fp16 beside an fp16 EMA (--fp16 --store-ema), and in 8 bits (a byte per
+    element and a float32 maximum per block of the weights; float32 for biases and norms). The
+    tiny model has odd-sized dims: dim-0 shards are uneven and the ranks fall into classes."""
     from conftest import TINY_MODEL, TRAINING
     save = tmp_path / "ckpt"
     args = [str(corpus), "--user-dir", PLUGIN, *TINY_MODEL, *TRAINING, "--ddp-backend", "fsdp2",
@@ -174,14 +182,18 @@ def test_sharded_and_optimizer_bytes_equal_a_real_two_rank_checkpoint(corpus, tm
         for rank in cls.ranks:
             got = real[rank]
             assert got["optim"] == cls.breakdown["optim"], (rank, got, cls.breakdown)
-            # two moments per parameter element, 4 or 2 bytes each
-            assert got["optim"] == cls.breakdown["sharded"] * (1 if stats else 2)
+            # two moments per parameter element, 4 or 2 bytes each; 8 bits: 1 byte and
+            # 4 per block for the weights, 4 for the rest: between a quarter and all of fp32's
+            if stats is EIGHT_BIT:
+                assert cls.breakdown["sharded"] // 4 < got["optim"] < cls.breakdown["sharded"]
+            else:
+                assert got["optim"] == cls.breakdown["sharded"] * (1 if stats else 2)
             # the checkpoint also holds the model's small buffers (fairseq's version
             # counters), on rank 0 only or split: at most their total
             assert 0 <= got["model"] - cls.breakdown["sharded"] <= buffers, \
                 (rank, got, cls.breakdown, buffers)
             # the EMA: the float32 shards' elements in fp16 (and the buffers, as above)
-            predicted_ema = cls.breakdown["sharded"] // 2 if stats else 0
+            predicted_ema = cls.breakdown["sharded"] // 2 if "--store-ema" in stats else 0
             assert cls.breakdown["ema"] == predicted_ema, (rank, cls.breakdown)
             assert 0 <= got["ema"] - predicted_ema <= buffers, (rank, got, cls.breakdown)
 
@@ -417,6 +429,36 @@ def test_16_bit_reduction_halves_the_tracked_reduce_scatter_buffer(tmp_path):
     assert fp32_tracked == fp32_predicted and fp16_tracked == fp16_predicted
     assert fp32_predicted == [padded * 4] * 2
     assert fp16_predicted == [(padded + layer) * 2] * 2
+
+
+def test_8_bit_adam_moments_take_a_byte_per_element_and_a_float32_per_block():
+    """--eight-bit-adam-stats on NLLB's tiny architecture (vocabulary 256206): the weights'
+    moments a byte per element and 4 bytes per block of 256 in a row, the biases' and norms'
+    float32 (rows of 2 ranks' shards: their sum over the ranks is the whole); at the optimizer
+    step, a bucket's moments in float32 less the released codes and Adam's denominator (10
+    bytes per element of the largest shard) and a chunk's quantization temporaries. Another
+    backend refuses the flag (training): the estimate counts fp32 there."""
+    from fairseq_fsdp2.optimizer.blockwise_8bit import CHUNK, TEMPORARY_BYTES, quantizable
+    base = nllb_args("transformer_nllb_tiny")
+    args = from_args.parse(base + ["--eight-bit-adam-stats"])
+    setups = [from_args.setup_for(args, 2), from_args.setup_for(from_args.parse(base), 2)]
+    assert [s.adam_stats for s in setups] == ["8bit", "fp32"]
+    profile = from_args.profile_for(args)
+    shapes = [shape for u in profile.units for shape in u.shapes]
+    want = sum(2 * (math.prod(s) + 4 * s[0] * -(-math.prod(s[1:]) // 256)) if quantizable(s)
+               else 8 * math.prod(s) for s in shapes)
+    est, fp32 = (estimate(profile, s) for s in setups)
+    per_rank = {r: c.breakdown for c in est.classes for r in c.ranks}
+    assert per_rank[0]["optim"] + per_rank[1]["optim"] == want
+    full = {r: c.breakdown for c in fp32.classes for r in c.ranks}
+    assert full[0]["optim"] / 4 < per_rank[0]["optim"] < 0.27 * full[0]["optim"]
+    assert "adam (8bit moments)" in est.table()
+    led = simulate_fsdp2(profile, setups[0])
+    largest = max(unit_sizes(u, 2, 0)[2] for u in profile.units)
+    assert largest > BUCKET_MIN  # the embedding's shard sets it here
+    assert led.max["optim"] == per_rank[0]["optim"] + 10 * largest + TEMPORARY_BYTES * CHUNK
+    ddp = from_args.parse(base + ["--eight-bit-adam-stats", "--ddp-backend", "legacy_ddp"])
+    assert from_args.setup_for(ddp, 1).adam_stats == "fp32"
 
 
 def test_store_ema_adds_its_copy_of_the_weights():

@@ -1,7 +1,7 @@
 """The optimizer's elementwise work on the local shards (fairseq_fsdp2/optimizer/local_shard_step.py) computes
 exactly what DTensor dispatch computes: 2 real gloo ranks, uneven shards, 4 steps with
 gradient scaling, clipping, weight decay, and fairseq's fp16 loss-scaling wrapper; Adam's moments
-in float32, and in 16 bits between steps (optimizer/adam_stats.py)."""
+in float32, and in 16 or 8 bits between steps (optimizer/adam_stats.py)."""
 from __future__ import annotations
 
 import json
@@ -20,8 +20,10 @@ def report():
     return json.loads(next(line for line in out.splitlines() if line.startswith("PROBE "))[6:])
 
 
-MOMENT_DTYPES = {"fp32": "torch.float32", "fp16_wrapper": "torch.float32",
-                 "fp16_adam_stats": "torch.float16", "bf16_adam_stats": "torch.bfloat16"}
+#: the moments' dtypes (8 bits: the weights' codes; the biases keep float32)
+MOMENT_DTYPES = {"fp32": ["torch.float32"], "fp16_wrapper": ["torch.float32"],
+                 "fp16_adam_stats": ["torch.float16"], "bf16_adam_stats": ["torch.bfloat16"],
+                 "eight_bit_adam_stats": ["torch.float32", "torch.uint8"]}
 
 
 @pytest.mark.parametrize("case", list(MOMENT_DTYPES))
@@ -37,7 +39,7 @@ def test_local_shard_step_is_bit_identical_to_dtensor_dispatch(report, case):
     # the state stays DTensors laid out like their parameters (what checkpoints reshard)
     assert r["state_is_dtensor"]
     # in the format asked for; fp16 moments with fairseq's scales beside them
-    assert r["state_dtypes"] == [MOMENT_DTYPES[case]]
+    assert r["state_dtypes"] == MOMENT_DTYPES[case]
     scales = {"exp_avg_scale", "exp_avg_sq_scale"}
     assert scales <= set(r["state_keys"]) if case == "fp16_adam_stats" else \
         not scales & set(r["state_keys"])

@@ -24,6 +24,12 @@ def check(world=2, min_params=0, fp16=False, bf16=False, optimizer="adam",
     (dict(bf16_adam_stats=True, fp16_adam_stats=True),
      "--bf16-adam-stats and --fp16-adam-stats conflict"),
     (dict(bf16_adam_stats=True, optimizer="adafactor"), "needs --optimizer adam"),
+    (dict(eight_bit_adam_stats=True, fp16_adam_stats=True),
+     "--eight-bit-adam-stats and --fp16-adam-stats conflict"),
+    (dict(eight_bit_adam_stats=True, bf16_adam_stats=True),
+     "--eight-bit-adam-stats and --bf16-adam-stats conflict"),
+    (dict(eight_bit_adam_stats=True, optimizer="sgd"), "--eight-bit-adam-stats keeps Adam's "
+                                                       "moments: it needs --optimizer adam"),
 ])
 def test_bad_values_are_refused(kwargs, message):
     with pytest.raises(OptionError, match=message):
@@ -36,5 +42,6 @@ def test_good_values_pass():
     check(world=1)
     check(bf16=True, bf16_adam_stats=True)
     check(fp16=True, fp16_adam_stats=True)
+    check(eight_bit_adam_stats=True)
 
 # The same checks from the command line: tests/test_bad_input.py (docs/errors.md).

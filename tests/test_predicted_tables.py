@@ -38,7 +38,7 @@ def test_no_predicted_table_in_the_docs_is_left_out_of_the_generator():
 
 def test_a_changed_figure_or_command_is_caught():
     """The comparison above sees one figure or one recorded command changed."""
-    table = TABLES[-1]
+    table = next(t for t in TABLES if t.fit_gb is None)  # a table of peaks
     fresh = replaced(f"x\n<!-- predicted: {table.name} -->\n<!-- predicted: end -->\ny\n", table)
     block = documented(fresh, table.name)
     assert block == render(table) and fresh.startswith("x\n") and fresh.endswith("\ny\n")

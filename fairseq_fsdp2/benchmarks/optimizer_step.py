@@ -2,7 +2,8 @@
 ``multiply_grads``, the global-norm clipping and fairseq's Adam step, done through DTensor
 dispatch (the path before optimizer/local_shard_step.py) and on the local shards (the plugin's
 path), side by side in one process, interleaved, medians; optionally also the local shards with
-Adam's moments in 16 bits (optimizer/adam_stats.py).
+Adam's moments in 16 or 8 bits (optimizer/adam_stats.py; 8 bits only for weights of at least
+4096 elements: ``--elements 4096`` or more, else they keep float32 moments).
 
 The cost measured is per tensor operation, not per element: the default tensor count is
 NLLB-600M's parameter tensor count (509: 12 + 12 layers, the shared embedding, 2 final layer
@@ -44,14 +45,16 @@ def optimizer(params, dtensor_path: bool, stats: str = "fp32"):
     adam = OmegaConf.structured(FairseqAdamConfig(_name="adam", lr=[1e-3], tpu=False,
                                                   fp16_adam_stats=stats == "fp16"))
     cfg = OmegaConf.create({"common": {"fp16": False}, "optimizer": adam,
-                            "distributed_training": {"bf16_adam_stats": stats == "bf16"}})
+                            "distributed_training": {"bf16_adam_stats": stats == "bf16",
+                                                     "eight_bit_adam_stats": stats == "8bit"}})
     # dtensor_path: what the plugin did before local_shard_step.py
     return build_optimizer(cfg, params, local_shards=not dtensor_path)
 
 
 def main(tensors: int, elements: int, steps: int, adam_stats: str | None = None) -> None:
     """Time ``steps`` optimizer steps of each path (one rank, gloo) and print the medians;
-    ``adam_stats`` ("fp16", "bf16") adds the local shards with 16-bit moments."""
+    ``adam_stats`` ("fp16", "bf16", "8bit") adds the local shards with 16-bit or 8-bit
+    moments."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29571")
     dist.init_process_group("gloo", rank=0, world_size=1)

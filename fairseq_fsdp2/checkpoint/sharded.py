@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict)
 
 from ..errors import CheckpointError
-from ..optimizer.adam_stats import fit_to_saved
+from ..optimizer.fit_saved_state import fit_to_saved
 from .safe_load import read_checkpoint_file
 
 #: Key marking a state entry that lives in a DCP directory (its value: the directory,
@@ -203,7 +203,7 @@ def load_entry(name: str, tensors: dict, shard_dir: str) -> None:
 
 def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, shard_dir: str) -> None:
     state = {"optim": get_optimizer_state_dict(model, optimizer)}
-    # Adam's moments as saved (16-bit or float32, with or without scales): the run converts
+    # Adam's moments as saved (8-bit, 16-bit or float32, with or without scales): the run converts
     # them at its next step (optimizer/adam_stats.py)
     saved = dcp.FileSystemReader(shard_dir).read_metadata().state_dict_metadata
     fit_to_saved(state["optim"], {k: getattr(getattr(v, "properties", None), "dtype", None)

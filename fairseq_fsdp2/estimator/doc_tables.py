@@ -13,6 +13,7 @@ import re
 import shlex
 from dataclasses import dataclass
 
+from .fit import largest_max_tokens
 from .from_args import estimates, parse
 
 ESTIMATE = "python -m fairseq_fsdp2.estimate"
@@ -32,6 +33,12 @@ STOCK = ("--min-params-to-wrap", "100000000", "--criterion", "label_smoothed_cro
 CKPT = ("--checkpoint-activations",)
 #: Adam's moments in 16 bits (optimizer/adam_stats.py); --bf16 --bf16-adam-stats: the same bytes
 STATS16 = ("--fp16-adam-stats",)
+#: ... in 8 bits (optimizer/blockwise_8bit.py), with the gradients reduce-scattered in fp16
+STATS8 = ("--eight-bit-adam-stats",)
+REDUCE16 = ("--fsdp2-reduce-dtype", "fp16")
+#: what a 24 GB GPU leaves for tensors: 22.4 GiB less a 2 GiB margin (CUDA context, NCCL,
+#: fragmentation)
+GPU_24GB_BUDGET = 20.4
 
 
 @dataclass(frozen=True)
@@ -50,9 +57,13 @@ class Table:
     label_header: tuple[str, ...]
     world_sizes: tuple[int, ...]
     rows: tuple[Row, ...]
+    #: a table of the largest --max-tokens that fits this many GiB per GPU (estimator --fit-gb)
+    #: instead of peaks
+    fit_gb: float | None = None
 
     def command(self, row: Row) -> list[str]:
-        return [*row.argv, "--world-size", *map(str, self.world_sizes)]
+        fit = [] if self.fit_gb is None else ["--fit-gb", f"{self.fit_gb:g}"]
+        return [*row.argv, "--world-size", *map(str, self.world_sizes), *fit]
 
 
 def _nllb(size: str, *flags: str, max_tokens: int = 4096) -> tuple[str, ...]:
@@ -76,7 +87,13 @@ def _fitting_rows() -> tuple[Row, ...]:
     # gradients reduce-scattered in fp16 (--fsdp2-reduce-dtype, issue 40's 2-GPU case)
     rows.append(Row(("3.3B", "`--checkpoint-activations --fp16-adam-stats "
                              "--fsdp2-reduce-dtype fp16`"),
-                    _nllb("3_3b", *RECIPE, *CKPT, *STATS16, "--fsdp2-reduce-dtype", "fp16")))
+                    _nllb("3_3b", *RECIPE, *CKPT, *STATS16, *REDUCE16)))
+    # Adam's moments in 8 bits, then with the fp16 reduction too: what fits two 24 GB GPUs
+    rows.append(Row(("3.3B", "`--checkpoint-activations --eight-bit-adam-stats`"),
+                    _nllb("3_3b", *RECIPE, *CKPT, *STATS8)))
+    rows.append(Row(("3.3B", "`--checkpoint-activations --eight-bit-adam-stats "
+                             "--fsdp2-reduce-dtype fp16`"),
+                    _nllb("3_3b", *RECIPE, *CKPT, *STATS8, *REDUCE16)))
     return tuple(rows)
 
 
@@ -89,6 +106,10 @@ TABLES = (
              "buffer, root `always`",), _nllb("600m", *RECIPE)),
         Row(("the recipe's with `--checkpoint-activations`",), _nllb("600m", *RECIPE, *CKPT)),
     )),
+    Table("fit on 24 GB", "docs/memory.md", ("NLLB-3.3B, settings",), (2,), (
+        Row(("the recipe's, `--checkpoint-activations --eight-bit-adam-stats "
+             "--fsdp2-reduce-dtype fp16`",), _nllb("3_3b", *RECIPE, *CKPT, *STATS8, *REDUCE16)),
+    ), fit_gb=GPU_24GB_BUDGET),
 )
 
 
@@ -98,14 +119,31 @@ def predicted_gib(table: Table, row: Row) -> tuple[float, ...]:
     return tuple(est.classes[0].peak_gb for est in estimates(parse(table.command(row))))
 
 
+@functools.cache
+def fitted(table: Table, row: Row) -> tuple[str, ...]:
+    """Each world size's largest --max-tokens that fits table.fit_gb, with its predicted peak."""
+    args = parse(table.command(row))
+    cells = []
+    for world in table.world_sizes:
+        fit = largest_max_tokens(args, table.fit_gb, world)
+        cells.append("none" if fit.max_tokens is None else
+                     f"{fit.max_tokens}{'+' if fit.capped else ''} ({fit.peak_gb:.2f} GiB)")
+    return tuple(cells)
+
+
 def render(table: Table) -> str:
     """The block between the markers: the table, then the command of each row."""
-    header = [*table.label_header, *(f"{w} GPUs" for w in table.world_sizes)]
+    if table.fit_gb is None:
+        header = [*table.label_header, *(f"{w} GPUs" for w in table.world_sizes)]
+    else:
+        header = [*table.label_header, *(f"largest --max-tokens fitting {table.fit_gb:g} GiB, "
+                                         f"{w} GPUs" for w in table.world_sizes)]
     lines = ["| " + " | ".join(header) + " |",
              "|" + "---|" * len(table.label_header) + "---:|" * len(table.world_sizes)]
     commands = []
     for row in table.rows:
-        values = [f"{v:.2f}" for v in predicted_gib(table, row)]
+        values = ([f"{v:.2f}" for v in predicted_gib(table, row)] if table.fit_gb is None
+                  else list(fitted(table, row)))
         lines.append("| " + " | ".join([*row.labels, *values]) + " |")
         commands.append(f"# {', '.join(label.replace('`', '') for label in row.labels)}\n"
                         f"{ESTIMATE} {shlex.join(table.command(row))}")

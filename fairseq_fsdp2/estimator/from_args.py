@@ -70,11 +70,14 @@ def backend_of(args) -> str:
 
 def adam_stats_of(args) -> str:
     """fairseq's --fp16-adam-stats (stock fairseq's FusedAdamV1 on GPUs too), the plugin's
-    --bf16-adam-stats (FSDP2 runs only: training refuses it with another backend)."""
+    --bf16-adam-stats and --eight-bit-adam-stats (FSDP2 runs only: training refuses them with
+    another backend)."""
     if getattr(args, "fp16_adam_stats", False):
         return "fp16"
     if getattr(args, "bf16_adam_stats", False) and backend_of(args) == "fsdp2":
         return "bf16"
+    if getattr(args, "eight_bit_adam_stats", False) and backend_of(args) == "fsdp2":
+        return "8bit"
     return "fp32"
 
 

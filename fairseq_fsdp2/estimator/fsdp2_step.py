@@ -24,7 +24,7 @@ class _FSDP2Step:
     """
 
     def __init__(self, profile: ModelProfile, setup: Setup, rank: int):
-        self.p, self.s = profile, setup
+        self.p, self.s, self.rank = profile, setup, rank
         self.trace = profile.trace_for(setup.device)
         self.c = profile.compute_bytes
         # bytes per element of the reduce-scatter input and output (FSDP2's reduce dtype)
@@ -142,7 +142,9 @@ class _FSDP2Step:
         sharded = sum(self.local.values()) * 4
         if self.on_device:
             led.add("sharded", sharded)
-            led.add("optim", optimizer_state_bytes(s, sharded // 4))
+            led.add("optim", optimizer_state_bytes(
+                s, sharded // 4, [shape for u in p.units for shape in u.shapes], self.shards,
+                self.rank))
             led.add("ema", sharded // 4 * s.ema_bytes)  # beside the shards (trainer/ema.py)
         led.add("other", p.buffer_bytes)
         if s.update_freq > 1:  # gradients carried over from the earlier micro-batches

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..optimizer.adam_stats import BUCKET_MIN
+from ..optimizer.blockwise_8bit import CHUNK, TEMPORARY_BYTES, absmax_shape, quantizable
 from .model_profile import UnitSpec
 
 
@@ -49,7 +50,8 @@ class Setup:
     checkpoint_activations: bool = False
     memory_efficient_fp16: bool = False
     tied_grad_buffer: bool = False  # --fsdp2-tied-grad-buffer: one gradient for all uses
-    adam_stats: str = "fp32"  # Adam's moments between steps: fp16/bf16 (--fp16/--bf16-adam-stats)
+    adam_stats: str = "fp32"  # Adam's moments between steps: fp16/bf16 (--fp16/--bf16-adam-stats),
+    # 8bit (--eight-bit-adam-stats)
     ema_bytes: int = 0  # --store-ema: bytes of the EMA per parameter element (0: no EMA)
     reduce_dtype: str = "fp32"  # --fsdp2-reduce-dtype: fp32, or the 16-bit compute dtype
 
@@ -117,8 +119,28 @@ def state_bytes(setup: Setup) -> int:
     return 2 if setup.optimizer == "adam" and setup.adam_stats in ("fp16", "bf16") else 4
 
 
-def optimizer_state_bytes(setup: Setup, elements: int) -> int:
-    """The optimizer state kept for ``elements`` parameter elements."""
+def eight_bit(setup: Setup) -> bool:
+    """--eight-bit-adam-stats on fairseq's Adam (optimizer/adam_stats.py)."""
+    return setup.optimizer == "adam" and setup.adam_stats == "8bit"
+
+
+def eight_bit_moment_bytes(shape: tuple[int, ...], rows: int) -> int:
+    """One 8-bit moment of ``rows`` rows of a parameter of (whole) ``shape``: a byte per element
+    and a float32 maximum per block of a row (optimizer/blockwise_8bit.py), or float32 for a
+    parameter too small (or 1-D) for 8 bits."""
+    row = math.prod(shape[1:])
+    if not quantizable(shape):
+        return 4 * rows * row
+    return rows * row + 4 * rows * absmax_shape(shape)[1]
+
+
+def optimizer_state_bytes(setup: Setup, elements: int, shapes=(), shards: int = 1,
+                          rank: int = 0) -> int:
+    """The optimizer state kept for ``elements`` parameter elements; with 8-bit moments, for
+    this ``rank``'s dim-0 shards (of ``shards``) of parameters of ``shapes``."""
+    if eight_bit(setup):
+        return 2 * sum(eight_bit_moment_bytes(shape, shard_rows(shape[0], shards, rank)[0])
+                       for shape in shapes)
     return optimizer_states(setup) * state_bytes(setup) * elements
 
 
@@ -128,7 +150,11 @@ def step_temporary_bytes(setup: Setup, largest: int, total: int, buckets: bool =
     largest (Adam's denominator); with 16-bit moments, a bucket's moments widened to float32 as
     well (optimizer/adam_stats.py: at most max(largest, BUCKET_MIN) elements and no more than
     there are, small parameters' 16-bit moments kept, a large one's released): 8 bytes per
-    element. ``buckets=False``: stock fairseq's FusedAdamV1, one parameter at a time."""
+    element; with 8-bit moments, 10 (their codes are a byte) and the quantization's temporaries.
+    ``buckets=False``: stock fairseq's FusedAdamV1, one parameter at a time."""
+    if eight_bit(setup):  # as for 16 bits, less the released 8-bit codes: 2 x (4 - 1) + 4
+        # bytes per element of the bucket; and quantizing a chunk (blockwise_8bit.py)
+        return 10 * min(max(largest, BUCKET_MIN), total) + TEMPORARY_BYTES * min(CHUNK, total)
     if state_bytes(setup) == 4:
         return 4 * largest
     return 8 * (min(max(largest, BUCKET_MIN), total) if buckets else largest)

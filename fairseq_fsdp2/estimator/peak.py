@@ -23,8 +23,10 @@ fairseq allocate and free, and the largest total is the peak:
   gradients, and reduce-scatters them through an fp32 input buffer that FSDP2 keeps until the
   next reduce-scatter; the root and shared units reduce-scatter at the end of backward;
 - optimizer: sharded parameters, sharded gradients, optimizer state (adam: 2 fp32 tensors, or
-  16-bit ones with --fp16-adam-stats / --bf16-adam-stats; sgd: momentum or none) and the
-  update's temporaries for the largest shard (with 16-bit moments, its moments in fp32 too).
+  16-bit ones with --fp16-adam-stats / --bf16-adam-stats, or 8-bit codes with a float32 maximum
+  per block of 256 with --eight-bit-adam-stats, fp32 for parameters under 4096 elements; sgd:
+  momentum or none) and the update's temporaries for the largest shard (with 16-bit or 8-bit
+  moments, a bucket's moments in fp32 too).
 
 fairseq's stock ``legacy_ddp`` is simulated on the same ledger: full fp32 parameters, gradients and
 optimizer state on every rank, plus its all-reduce buffer (the size of the model, from 2 ranks).

@@ -1,5 +1,6 @@
 """Adam's two moments kept in 16 bits between steps: ``--fp16-adam-stats`` (fairseq's flag) and
-``--bf16-adam-stats`` (the plugin's).
+``--bf16-adam-stats`` (the plugin's); or in 8 bits, block-wise quantized:
+``--eight-bit-adam-stats`` (the plugin's; the format: blockwise_8bit.py).
 
 Why: fairseq's Adam keeps two float32 tensors per parameter (``exp_avg``, ``exp_avg_sq``): with
 FSDP2's fp32 master shards and gradients, half of what each rank holds for the model. In 16 bits
@@ -21,6 +22,12 @@ decrease). The random numbers are drawn from a generator seeded by the run's ``-
 step, the bucket's place and the shard's, so a resumed run draws what the uninterrupted run
 drew.
 
+8 bits: each parameter of at least blockwise_8bit.MIN_NUMEL elements and two dimensions
+keeps its moments as uint8 codes shaped like it (1 byte per element) and float32 block maxima
+(``exp_avg_absmax``, ``exp_avg_sq_absmax``: one per BLOCK elements of a row), both sharded like
+the parameter's rows, so DCP reshards them; smaller ones keep float32 moments. The codes are
+rounded stochastically, from the generator bf16 uses.
+
 How: the step runs a bucket of parameters at a time (FusedAdamV1 runs one): their moments are
 widened to float32, fairseq's Adam steps them (on the local shards: local_shard_step.py), and
 the moments are narrowed again; a bucket holds no more elements than the largest parameter
@@ -39,20 +46,28 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..sharding.mesh import comm_device
+from .blockwise_8bit import dequantize, quantizable, quantize, rows_like
 from .local_shard_step import ELEMENTWISE, mix_into
 from .stochastic_round import generator_for, to_bf16_stochastic
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 SCALE_KEYS = {"exp_avg": "exp_avg_scale", "exp_avg_sq": "exp_avg_sq_scale"}
+#: 8 bits: the float32 block maxima of each moment's codes
+ABSMAX_KEYS = {"exp_avg": "exp_avg_absmax", "exp_avg_sq": "exp_avg_sq_absmax"}
+#: 8 bits: the first moment's map is signed, the second's unsigned
+SIGNED = {"exp_avg": True, "exp_avg_sq": False}
 #: fairseq's FusedAdamV1: scale = SCALE_FLOOR + max|moment| / FP16_MAX
 FP16_MAX = 65504.0
 SCALE_FLOOR = 1e-8
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+#: moments stored in fewer bits than float32's, which torch's load_state_dict would cast
+NARROW = (*SIXTEEN_BIT, torch.uint8)
 
 
 class Held:
-    """A 16-bit state tensor passed through torch's ``load_state_dict`` untouched (it casts
-    every floating tensor of the state to the parameter's dtype; other objects it keeps)."""
+    """A 16-bit (or 8-bit) state tensor passed through torch's ``load_state_dict`` untouched
+    (it casts every state tensor of a floating parameter to the parameter's dtype; other
+    objects it keeps)."""
 
     __slots__ = ("tensor",)
 
@@ -61,8 +76,8 @@ class Held:
 
 
 def _hold_16_bit(optimizer: torch.optim.Optimizer, state_dict: dict) -> Optional[dict]:
-    """load_state_dict pre-hook: wrap the 16-bit moments laid out like their parameter (a
-    stock checkpoint's full tensors for sharded parameters are not: full_state.py cuts
+    """load_state_dict pre-hook: wrap the 16-bit (8-bit) moments laid out like their parameter
+    (a stock checkpoint's full tensors for sharded parameters are not: full_state.py cuts
     those, in float32)."""
     if "state" not in state_dict or "param_groups" not in state_dict:
         return None
@@ -70,7 +85,7 @@ def _hold_16_bit(optimizer: torch.optim.Optimizer, state_dict: dict) -> Optional
     params = dict(zip(saved_ids, chain.from_iterable(g["params"] for g in optimizer.param_groups)))
 
     def hold(param, key, value):
-        if key in MOMENTS and torch.is_tensor(value) and value.dtype in SIXTEEN_BIT and \
+        if key in MOMENTS and torch.is_tensor(value) and value.dtype in NARROW and \
                 isinstance(value, DTensor) == isinstance(param, DTensor) and \
                 value.shape == param.shape:
             return Held(value)
@@ -100,6 +115,13 @@ def _like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return local
     return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
                               shape=like.shape, stride=like.stride())
+
+
+def _rows_sharded(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a plain tensor or sharded on dim 0 only (FSDP2's default): then its
+    8-bit blocks, within rows, lie on one rank each."""
+    return not isinstance(p, DTensor) or all(
+        not pl.is_shard() or pl.dim == 0 for pl in p.placements)
 
 
 def _full(x: torch.Tensor) -> torch.Tensor:
@@ -207,7 +229,15 @@ class SixteenBitMoments:
             return  # the first step creates float32 moments
         for key in MOMENTS:
             value, scale = state.get(key), state.pop(SCALE_KEYS[key], None)
+            absmax = state.pop(ABSMAX_KEYS[key], None)
             if value is None or (value.dtype == torch.float32 and scale is None):
+                continue
+            if value.dtype == torch.uint8:  # 8 bits: on the local shards whatever local_shards
+                local = _local(value)
+                if self.moment_dtype == torch.uint8 and self._numel(p) <= KEEP_MAX:
+                    kept[id(p), key] = (value, local, absmax, _local(absmax))
+                wide = dequantize(local, _local(absmax), SIGNED[key])
+                state[key] = wide if self.local_shards else _like(wide, p)  # DTensor dispatch
                 continue
             if not self.local_shards:  # fairseq: exp_avg.float() * state["exp_avg_scale"]
                 wide = value.float()
@@ -256,12 +286,41 @@ class SixteenBitMoments:
                         state[key] = old[0]
                     else:
                         state[key] = _like(to_bf16_stochastic(local, generator), p)
+        elif self.moment_dtype == torch.uint8:
+            self._quantize(bucket, kept)
         else:  # float32 (a 16-bit state was loaded): the widened moments, as DTensors again
             for _, p in bucket:
                 state = self.state[p]
                 for key in MOMENTS:
                     if not isinstance(state[key], DTensor):
                         state[key] = _like(state[key], p)
+
+    def _quantize(self, bucket: list, kept: dict) -> None:
+        """Store the bucket's float32 moments in 8 bits (blockwise_8bit.py), into the codes and
+        block maxima kept through the step or new ones; parameters too small for 8 bits (or
+        sharded on another dimension than rows) keep float32 moments."""
+        first_index, first = bucket[0]
+        generator = None
+        for _, p in bucket:
+            state = self.state[p]
+            eight_bit = quantizable(p.shape) and _rows_sharded(p)
+            for key in MOMENTS:
+                local = _local(state[key])
+                if not eight_bit:
+                    if not isinstance(state[key], DTensor):
+                        state[key] = _like(local, p)
+                    continue
+                if generator is None:  # one stream a bucket, as for bf16
+                    generator = generator_for(local.device, stream_seed(
+                        self.stats_seed, self.state[first]["step"], first_index,
+                        *_shard_coordinate(first)))
+                old = kept.get((id(p), key))
+                if old is not None:
+                    quantize(local, SIGNED[key], generator, codes=old[1], absmax=old[3])
+                    state[key], state[ABSMAX_KEYS[key]] = old[0], old[2]
+                else:
+                    codes, absmax = quantize(local, SIGNED[key], generator)
+                    state[key], state[ABSMAX_KEYS[key]] = _like(codes, p), rows_like(absmax, p)
 
     def _scales(self, bucket: list) -> list[torch.Tensor]:
         """fairseq's scale of each moment of the bucket: 1e-8 + max|moment| / 65504, the max
@@ -303,41 +362,23 @@ class SixteenBitMoments:
                 if isinstance(value, Held):
                     per_param[key] = value = value.tensor
                 if torch.is_tensor(value) and (value.dtype != torch.float32 or
-                                               SCALE_KEYS[key] in per_param):
+                                               SCALE_KEYS[key] in per_param or
+                                               ABSMAX_KEYS[key] in per_param):
                     mixed = True  # a float32 run widens it at its next step
         self.mixed_state_loaded = mixed
 
 
-def fit_to_saved(optimizer_state: dict, saved: dict, prefix: str = "optim.state.") -> None:
-    """Make ``optimizer_state`` (``get_optimizer_state_dict``'s, parameters by name), the
-    destination of a DCP load, hold what the checkpoint holds: each moment in its saved dtype
-    and a scale where the checkpoint has one; so that a run resumed with or without a 16-bit
-    flag reads the other format's state as it was (its next step converts it). ``saved``: the
-    checkpoint's flattened keys (``PREFIX<name>.<key>``) -> the saved tensor's dtype."""
-    for name, per_param in optimizer_state.get("state", {}).items():
-        for key in MOMENTS:
-            value, stored = per_param.get(key), f"{prefix}{name}.{key}"
-            if not torch.is_tensor(value) or stored not in saved:
-                continue
-            dtype = saved[stored]
-            if dtype is not None and dtype != value.dtype:
-                per_param[key] = value.to(dtype)
-            scale_key = SCALE_KEYS[key]
-            if f"{prefix}{name}.{scale_key}" not in saved:
-                per_param.pop(scale_key, None)
-            elif not torch.is_tensor(per_param.get(scale_key)):
-                per_param[scale_key] = torch.ones((), device=_local(value).device)
-
-
-#: --fp16-adam-stats / --bf16-adam-stats -> the moments' dtype between steps
-MOMENT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+#: --fp16-adam-stats / --bf16-adam-stats / --eight-bit-adam-stats -> the moments' dtype
+#: between steps (uint8: block-wise quantized codes)
+MOMENT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+                 "8bit": torch.uint8}
 
 
 def use_16_bit_moments(torch_optimizer: torch.optim.Optimizer, stats: str = "fp32",
                        local_shards: bool = True, seed: int = 0) -> bool:
     """Keep the moments of ``torch_optimizer`` (if it is fairseq's Adam) as ``stats`` asks
-    (``fp32``, ``fp16``, ``bf16``); returns whether it is Adam. Every Adam gets the mixin, so
-    that a 16-bit state loaded into a float32 run is widened."""
+    (``fp32``, ``fp16``, ``bf16``, ``8bit``); returns whether it is Adam. Every Adam gets the
+    mixin, so that a 16-bit or 8-bit state loaded into a float32 run is widened."""
     if not mix_into(torch_optimizer, SixteenBitMoments, ELEMENTWISE):
         return False
     torch_optimizer.moment_dtype = MOMENT_DTYPES[stats]

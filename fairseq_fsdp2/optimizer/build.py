@@ -23,11 +23,13 @@ logger = logging.getLogger(__name__)
 
 def adam_stats(cfg) -> str:
     """How Adam's moments are stored between steps: ``fp16`` (--fp16-adam-stats), ``bf16``
-    (--bf16-adam-stats) or ``fp32``."""
+    (--bf16-adam-stats), ``8bit`` (--eight-bit-adam-stats) or ``fp32``."""
     if getattr(cfg.optimizer, "fp16_adam_stats", False):  # a Namespace for some optimizers
         return "fp16"
     if OmegaConf.select(cfg, "distributed_training.bf16_adam_stats", default=False):
         return "bf16"
+    if OmegaConf.select(cfg, "distributed_training.eight_bit_adam_stats", default=False):
+        return "8bit"
     return "fp32"
 
 
@@ -43,7 +45,8 @@ def build_optimizer(cfg, params, local_shards: bool = True):
     leaves it to DTensor dispatch, the reference the tests and the benchmark compare with);
     Adafactor's factored statistics are made DTensors (adafactor_state.py); Adam's moments are
     kept in 16 bits with ``--fp16-adam-stats`` (fairseq's FusedAdamV1 only: on fairseq's own
-    Adam it raises NotImplementedError) or ``--bf16-adam-stats`` (adam_stats.py)."""
+    Adam it raises NotImplementedError) or ``--bf16-adam-stats``, in 8 bits with
+    ``--eight-bit-adam-stats`` (adam_stats.py)."""
     optimizer_cfg = cfg.optimizer
     stats = adam_stats(cfg)
     if "use_old_adam" in optimizer_cfg:
@@ -59,8 +62,9 @@ def build_optimizer(cfg, params, local_shards: bool = True):
     use_factored_state(inner.optimizer)  # Adafactor: its row and column statistics sharded
     if use_16_bit_moments(inner.optimizer, stats, local_shards, seed=OmegaConf.select(cfg, "common.seed", default=1)) \
             and stats != "fp32":
-        logger.info(f"Adam's moments kept in {stats} between steps (--{stats}-adam-stats): "
-                    f"half the optimizer state")
+        flag, saving = {"8bit": ("eight-bit", "about a quarter of")}.get(stats, (stats, "half"))
+        logger.info(f"Adam's moments kept in {stats} between steps (--{flag}-adam-stats): "
+                    f"{saving} the optimizer state")
     if cfg.common.fp16:
         # After loading optimizer state, fairseq's wrapper copies the saved state back over
         # what torch loaded, lest torch cast it to fp16 parameters. Here the parameters are

@@ -1,7 +1,8 @@
 """One rank of the 16-bit Adam state's checkpoint check (tests/test_adam_stats.py), on gloo.
 
 argv: MODE DIR.
-- ``save`` (2 ranks): a small sharded model per moment format (fp32, fp16, bf16), 3 Adam steps
+- ``save`` (2 ranks): a small sharded model per moment format (fp32, fp16, bf16, 8bit: its two
+  weights, 20 x 300 and 230 x 20, big enough for 8 bits; uneven rows at 3 ranks), 3 Adam steps
   each, saved with the plugin's sharded checkpoint (checkpoint/sharded.py) to DIR/<format>;
   rank 0 writes each state's full tensors to DIR/<format>.pt.
 - ``load`` (3 ranks: other shards, uneven): each saved state loaded, as the trainer loads it,
@@ -24,19 +25,20 @@ from torch.distributed.tensor import DTensor
 from probe_report import report_and_exit
 
 from fairseq_fsdp2.checkpoint import sharded
-from fairseq_fsdp2.optimizer.adam_stats import MOMENTS, SCALE_KEYS
+from fairseq_fsdp2.optimizer.adam_stats import ABSMAX_KEYS, MOMENTS, SCALE_KEYS, SIGNED
+from fairseq_fsdp2.optimizer.blockwise_8bit import dequantize
 from fairseq_fsdp2.optimizer.build import build_optimizer
 
-FORMATS = ("fp32", "fp16", "bf16")
+FORMATS = ("fp32", "fp16", "bf16", "8bit")
 BETAS = (0.9, 0.999)
 #: (saved format, run format) pairs the load checks
 PAIRS = [("fp16", "fp16"), ("bf16", "bf16"), ("fp16", "fp32"), ("fp32", "fp16"),
-         ("bf16", "fp16")]
+         ("bf16", "fp16"), ("8bit", "8bit"), ("8bit", "fp32"), ("fp32", "8bit"), ("fp16", "8bit")]
 
 
 def model(mesh) -> nn.Module:
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    m = nn.Sequential(nn.Linear(300, 20), nn.Tanh(), nn.Linear(20, 230))
     for layer in (m[0], m[2]):
         fully_shard(layer, mesh=mesh)
     return fully_shard(m, mesh=mesh)
@@ -46,7 +48,8 @@ def optimizer(params, stats: str):
     adam = OmegaConf.structured(FairseqAdamConfig(
         _name="adam", lr=[1e-2], adam_betas=BETAS, tpu=False, fp16_adam_stats=stats == "fp16"))
     cfg = OmegaConf.create({"common": {"fp16": False, "seed": 1},
-                            "distributed_training": {"bf16_adam_stats": stats == "bf16"},
+                            "distributed_training": {"bf16_adam_stats": stats == "bf16",
+                                                     "eight_bit_adam_stats": stats == "8bit"},
                             "optimization": {"update_freq": [1]}, "optimizer": adam})
     return build_optimizer(cfg, params).optimizer  # the torch optimizer
 
@@ -56,9 +59,13 @@ def full(value):
 
 
 def effective(state: dict) -> dict:
-    """The moments' float32 values: the stored tensor times its scale (fp16)."""
+    """The moments' float32 values: the stored tensor times its scale (fp16), or its codes'
+    values times their block maxima (8 bits)."""
     out = {}
     for key in MOMENTS:
+        if ABSMAX_KEYS[key] in state:
+            out[key] = dequantize(full(state[key]), full(state[ABSMAX_KEYS[key]]), SIGNED[key])
+            continue
         value = full(state[key]).float()
         scale = state.get(SCALE_KEYS[key])
         out[key] = value * full(scale) if scale is not None else value
@@ -74,7 +81,7 @@ def save(root: str) -> None:
         for step in range(3):
             opt.zero_grad()
             torch.manual_seed(100 + step)
-            (m(torch.randn(7, 6) * 10 ** step).square().sum()).backward()
+            (m(torch.randn(7, 300) * 10 ** step).square().sum()).backward()
             opt.step()
         sharded.save(m, opt, f"{root}/{stats}", 3)
         saved = {name: {k: full(v) for k, v in opt.state[p].items() if torch.is_tensor(v)}

@@ -4,7 +4,9 @@
 Two copies of a small model (rows that do not divide evenly over 2 ranks, a bias, a weight
 decay that touches every element) are sharded with FSDP2 and trained 4 steps on the same
 batches, with Adam's moments in float32, and in fp16 (--fp16-adam-stats: per-tensor scales from
-an all-reduce of the shards' maxima) and bf16 (stochastic rounding) between steps. The reference is the plugin's optimizer built with ``local_shards=False`` (fairseq's
+an all-reduce of the shards' maxima) and bf16 (stochastic rounding) between steps, and in 8
+bits (--eight-bit-adam-stats, a wider model: WIDTHS). The reference is the plugin's optimizer
+built with ``local_shards=False`` (fairseq's
 ``multiply_grads``, torch's clipping and fairseq's Adam on the DTensors, through DTensor
 dispatch); the other is the plugin's optimizer as training builds it, which does that work on
 the local shards; both also under fairseq's fp16 wrapper (loss scaling, deferred unscaling).
@@ -29,9 +31,14 @@ MAX_NORM = 0.5
 STEPS = 4
 
 
-def model(mesh) -> nn.Module:
+#: the model's widths (input, hidden, output); 8 bits: weights of 21 x 300 and 230 x 21, large
+#: enough for 8-bit moments (blocks of 256 and 44 in the first's rows; 21 rows: 11 and 10)
+WIDTHS = {"small": (6, 5, 3), "8bit": (300, 21, 230)}
+
+
+def model(mesh, widths=WIDTHS["small"]) -> nn.Module:
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    m = nn.Sequential(nn.Linear(*widths[:2]), nn.Tanh(), nn.Linear(*widths[1:]))
     for layer in (m[0], m[2]):
         fully_shard(layer, mesh=mesh)
     return fully_shard(m, mesh=mesh)
@@ -46,13 +53,14 @@ def cfg(fp16: bool, stats: str = "fp32"):
                    "fp16_scale_tolerance": 0.0, "threshold_loss_scale": None,
                    "min_loss_scale": 1e-4, "model_parallel_size": 1, "seed": 1},
         "distributed_training": {"distributed_world_size": dist.get_world_size(),
-                                 "bf16_adam_stats": stats == "bf16"},
+                                 "bf16_adam_stats": stats == "bf16",
+                                 "eight_bit_adam_stats": stats == "8bit"},
         "optimization": {"update_freq": [1]}, "optimizer": adam})
 
 
 def backward(m: nn.Module, step: int, scale: float) -> None:
     torch.manual_seed(100 + step)  # the same batch on every rank and for both models
-    (m(torch.randn(7, 6) * 3).square().sum() * scale).backward()
+    (m(torch.randn(7, m[0].in_features) * 3).square().sum() * scale).backward()
 
 
 def torch_optimizer(optimizer):
@@ -66,7 +74,8 @@ def full(value):
 
 def run(fp16: bool, stats: str = "fp32") -> dict:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    reference, ours = model(mesh), model(mesh)
+    widths = WIDTHS["8bit" if stats == "8bit" else "small"]
+    reference, ours = model(mesh, widths), model(mesh, widths)
     ref_params, our_params = list(reference.parameters()), list(ours.parameters())
     ref_opt = build_optimizer(cfg(fp16, stats), ref_params, local_shards=False)
     our_opt = build_optimizer(cfg(fp16, stats), our_params)
@@ -88,7 +97,7 @@ def run(fp16: bool, stats: str = "fp32") -> dict:
         "param_max_diff": max((a.full_tensor() - b.full_tensor()).abs().max().item()
                               for a, b in zip(ref_params, our_params)),
         "params_moved": min((a.full_tensor() - b.full_tensor()).abs().max().item()
-                            for a, b in zip(our_params, model(mesh).parameters())),
+                            for a, b in zip(our_params, model(mesh, widths).parameters())),
         "state_keys_equal": all(set(a) == set(b) for a, b in zip(ref_state, our_state)),
         "state_max_diff": max((full(a[k]).float() - full(b[k]).float()).abs().max().item()
                               for a, b in zip(ref_state, our_state)
@@ -109,6 +118,7 @@ def main() -> None:
     adafactor = Adafactor([nn.Parameter(torch.ones(2))], lr=1e-2, relative_step=False)
     report = {"fp32": run(False), "fp16_wrapper": run(True),
               "fp16_adam_stats": run(True, "fp16"), "bf16_adam_stats": run(False, "bf16"),
+              "eight_bit_adam_stats": run(False, "8bit"),
               "adafactor_local_path": use_local_shards(adafactor)}
     report_and_exit(report)
 

@@ -1,0 +1,345 @@
+"""Adam's moments in 8 bits between steps (``--eight-bit-adam-stats``: optimizer/adam_stats.py,
+the format in optimizer/blockwise_8bit.py).
+
+In one process: the plugin's Adam and a float32 Adam fed the same gradients, every element of
+both moments and of the parameter within a bound derived from the block-wise quantization after
+every step (below); the second moment decays as in float32 where rounding to nearest would
+keep it; the map is bitsandbytes' dynamic map. Then fairseq-train runs: training against
+float32 moments, exact resume, the export. Elsewhere: the 2 -> 3 rank reshard and conversions
+(tests/test_adam_stats.py), the local-shard step against DTensor dispatch
+(tests/test_local_shards.py), the estimate (tests/test_estimate.py).
+
+The bound. A block of the float32 moment y (BLOCK elements of a row) is stored as codes c and
+A = max|y| (exact: a maximum rounds nothing). Each element: x = fl(y / A), |x - y / A| <= U32
+|y| / A; the code is one of x's two neighbours in the map (below the signed map's least value
+-0.993: that value), so |q[c] - x| <= G, the map's largest gap (0.9 / 64 signed, 0.9 / 128
+unsigned: gap_of) or 1 + q[0]; then fl(q[c] x A) rounds once more: |stored - y| <= (G + 2 U32) A
+(|q[c]| <= 1, |y| <= A). Between stores both runs compute beta x stored + (1 - beta) x term in
+float32 from values that differ by the previous bound (at most 4 roundings: as for 16 bits,
+tests/test_adam_stats.py). The step uses the moments before they are stored (the float32 values
+of this step): with |m' - m| <= Bm and |v' - v| <= Bv, fairseq's update lr' m / (sqrt(v) + eps)
+(lr' = lr sqrt(1 - b2^t) / (1 - b1^t)) differs by at most lr' (Bm / (sqrt(v') + eps) + |m|
+Bv / ((sqrt(v') + sqrt(v)) (sqrt(v') + eps) (sqrt(v) + eps))), since |sqrt(v') - sqrt(v)| =
+|v' - v| / (sqrt(v') + sqrt(v)); plus each run's float32 rounding of the update (sqrt, add,
+divide, multiply, subtract: 6 U32 of |update| each, and of |p| for the subtraction).
+
+Unlike 16-bit moments (moment_rounding_step_error), the error is relative to the block's largest
+element, not to the element: an element 10^-3 of its block's largest carries an error of up to
+G / 10^-3 of itself, so no bound relative to the element (or to lr) holds for every element;
+the bound here is computed from the values, element by element.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from fairseq.optim.adam import FairseqAdamConfig
+from omegaconf import OmegaConf
+
+from conftest import train_args_for
+from launcher import ok, run_command, run_ranks
+from numerics import U32, per_update, printed_close
+
+from fairseq_fsdp2.optimizer.adam_stats import ABSMAX_KEYS
+from fairseq_fsdp2.optimizer.blockwise_8bit import BLOCK, dequantize, dynamic_map, quantize
+from fairseq_fsdp2.optimizer.build import build_optimizer
+
+BETAS = (0.9, 0.999)
+EPS = 1e-8
+LR = 1e-3
+
+
+def adam(params, eight_bit: bool):
+    cfg = OmegaConf.create({
+        "common": {"fp16": False, "seed": 1}, "optimization": {"update_freq": [1]},
+        "distributed_training": {"eight_bit_adam_stats": eight_bit},
+        "optimizer": OmegaConf.structured(FairseqAdamConfig(
+            _name="adam", lr=[LR], adam_betas=BETAS, adam_eps=EPS, tpu=False))})
+    return build_optimizer(cfg, params).optimizer
+
+
+def gap_of(signed: bool) -> float:
+    """G: the largest distance of a value in [-1, 1] (signed) or [0, 1] to the map value a code
+    may round it to: the largest gap between neighbours, or (signed) below the least value."""
+    q = dynamic_map(signed).double()
+    return max(q.diff().max().item(), (1 + q[0]).item() if signed else 0.0)
+
+
+def test_the_maps_are_bitsandbytes_dynamic_maps():
+    """256 distinct ascending values on [-1, 1] / [0, 1] with 0 and 1 exact; 7 decades of
+    midpoints of even splits of [0.1, 1] (2^i, unsigned 2^(i+1) points in decade i): the
+    largest gaps 0.9 / 64 and 0.9 / 128 (in the top decade) up to float32 rounding of the
+    values; the unsigned map's smallest positive value 10^-6 x 0.325."""
+    for signed, top_points in ((True, 64), (False, 128)):
+        q = dynamic_map(signed).double()
+        assert q.numel() == 256 and (q.diff() > 0).all() and 0.0 in q.tolist() and q[-1] == 1
+        least = -(1 - 0.9 / top_points / 2) if signed else 0.0  # the top decade's last midpoint
+        assert abs(q[0].item() - least) <= 2 * U32
+        assert abs(q.diff().max().item() - 0.9 / top_points) <= 4 * U32
+    assert abs(dynamic_map(False)[1].item() - 0.325e-6) <= 0.325e-6 * 2 * U32
+
+
+def test_quantize_round_trip_within_the_gap_and_unbiased():
+    """One store: every element within (G + 2 U32) x its block's absmax; the absmax are the
+    blocks' maxima (rows of 300: blocks of 256 and 44); each block's largest element, where
+    positive, is stored exactly; a positive second moment is never stored as 0. Stochastic
+    rounding is unbiased (within the map's range): the mean of n = 1000 independent stores of
+    one value, each in an interval of width at most G x A around it, lies within
+    4 G A / sqrt(n) of it except with probability 2 exp(-2 x 16) = 2.5e-14 per element
+    (Hoeffding; 1.5e-11 over 600 elements; a fixed seed all the same)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 300) * torch.logspace(-7, 0, 300)
+    for signed, y in ((True, x), (False, x.square())):
+        codes, absmax = quantize(y, signed, g)
+        assert codes.dtype == torch.uint8 and codes.shape == y.shape
+        padded = torch.nn.functional.pad(y.abs(), (0, 2 * BLOCK - 300))
+        assert torch.equal(absmax, padded.view(5, 2, BLOCK).amax(-1))
+        back = dequantize(codes, absmax, signed)
+        a = absmax.repeat_interleave(BLOCK, 1)[:, :300]
+        assert ((back - y).abs() <= (gap_of(signed) + 2 * U32) * a).all()
+        top = y == a  # a positive largest: code 255 is 1 exactly (the signed map's least
+        assert top.any() and torch.equal(back[top], y[top])  # is -0.993, not -1)
+        if not signed:
+            assert (back[y > 0] > 0).all()
+    # a rank's empty shard (more ranks than rows) and a 3-D parameter (rows of 4 x 100)
+    codes, absmax = quantize(torch.zeros(0, 300), True, g)
+    assert codes.shape == (0, 300) and absmax.shape == (0, 2)
+    z = torch.randn(3, 4, 100)
+    codes, absmax = quantize(z, True, g)
+    assert absmax.shape == (3, 2) and torch.equal(absmax[:, 0], z.reshape(3, 400)[:, :BLOCK]
+                                                  .abs().amax(1))
+    y = torch.randn(2, 300)
+    runs = torch.stack([dequantize(*quantize(y, True, g), True) for _ in range(1000)])
+    a = torch.nn.functional.pad(y.abs(), (0, 2 * BLOCK - 300)).view(2, 2, BLOCK).amax(-1)
+    a = a.repeat_interleave(BLOCK, 1)[:, :300]
+    inside = y >= dynamic_map(True)[0] * a  # a negative largest (-A) is stored as -0.993 A
+    assert ((runs.mean(0) - y).abs()[inside] <= 4 * gap_of(True) / math.sqrt(1000) *
+            a[inside]).all()
+
+
+def test_8_bit_moments_and_steps_stay_within_their_quantization_of_float32():
+    """30 steps of gradients whose magnitudes span 1e-4..1 along each row (blocks of 256 and a
+    last one of 44 per row; moments over 8 decades), against a float32 Adam fed the same
+    gradients: after every step each moment element within the bound of the module docstring,
+    and each parameter element within the sum of the steps' bounds. A 1-D parameter and one of
+    fewer than 4096 elements keep float32 moments, equal to the float32 run's bit for bit."""
+    torch.manual_seed(0)
+    shapes = {"big": (24, 300), "small": (8, 16), "bias": (5000,)}
+    grads = [{k: torch.randn(s) * (torch.logspace(-4, 0, s[-1]) if k == "big" else 1)
+              for k, s in shapes.items()} for _ in range(30)]
+    ours = {k: torch.nn.Parameter(torch.zeros(s)) for k, s in shapes.items()}
+    ref = {k: torch.nn.Parameter(torch.zeros(s)) for k, s in shapes.items()}
+    opt, ref_opt = adam(list(ours.values()), True), adam(list(ref.values()), False)
+    big, rbig = ours["big"], ref["big"]
+    gap = {"exp_avg": gap_of(True), "exp_avg_sq": gap_of(False)}
+    bound = {k: torch.zeros(shapes["big"]) for k in gap}
+    stored = {k: (torch.zeros(shapes["big"]),) * 2 for k in gap}
+    param_bound = torch.zeros(shapes["big"])
+    b1, b2 = BETAS
+    for t, g in enumerate(grads, start=1):
+        for k in shapes:
+            ours[k].grad, ref[k].grad = g[k].clone(), g[k].clone()
+        before, ref_before = big.detach().clone(), rbig.detach().clone()
+        opt.step()
+        ref_opt.step()
+        state, ref_state = opt.state[big], ref_opt.state[rbig]
+        pre = {}
+        for key, beta, term in (("exp_avg", b1, g["big"].abs()),
+                                ("exp_avg_sq", b2, g["big"].square())):
+            assert state[key].dtype == torch.uint8
+            mine, theirs = stored[key]
+            pre[key] = beta * bound[key] + 4 * U32 * (beta * (mine.abs() + theirs.abs())
+                                                      + 2 * (1 - beta) * term)
+            absmax = state[ABSMAX_KEYS[key]]
+            got = dequantize(state[key], absmax, key == "exp_avg")
+            a = absmax.repeat_interleave(BLOCK, 1)[:, :shapes["big"][1]]
+            bound[key] = pre[key] + (gap[key] + 2 * U32) * a
+            want = ref_state[key]
+            excess = ((got - want).abs() - bound[key]).max().item()
+            assert excess <= 0, f"step {t} {key}: {excess} beyond the bound"
+            stored[key] = (got, want)
+        # the step: from the float32 moments of this step (ref's, and ours within pre)
+        m, v = ref_state["exp_avg"], ref_state["exp_avg_sq"]
+        lr_t = LR * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+        v_low = (v - pre["exp_avg_sq"]).clamp_min(0).sqrt()
+        step = lr_t * (pre["exp_avg"] / (v_low + EPS) + m.abs() * pre["exp_avg_sq"] / (
+            (v_low + v.sqrt()).clamp_min(1e-30) * (v_low + EPS) * (v.sqrt() + EPS)))
+        update = lr_t * (m.abs() + pre["exp_avg"]) / (v_low + EPS)  # either run's, at most
+        param_bound += step + 6 * U32 * (2 * update + before.abs() + ref_before.abs())
+        excess = ((big - rbig).abs() - param_bound).max().item()
+        assert excess <= 0, f"step {t} parameter: {excess} beyond the bound"
+        for k in ("small", "bias"):  # float32 moments, as the reference's
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert opt.state[ours[k]][key].dtype == torch.float32
+                assert torch.equal(opt.state[ours[k]][key], ref_opt.state[ref[k]][key])
+            assert ABSMAX_KEYS["exp_avg"] not in opt.state[ours[k]]
+    # not vacuous: the 8-bit moments differ, by far less than the largest moment
+    m8 = dequantize(opt.state[big]["exp_avg"], opt.state[big]["exp_avg_absmax"], True)
+    m32 = ref_opt.state[rbig]["exp_avg"]
+    assert 0 < (m8 - m32).abs().max() < 0.05 * m32.abs().max()
+
+
+def test_8_bit_second_moment_decays_as_in_float32():
+    """Why stochastic rounding (blockwise_8bit.py): a 64 x 4096 parameter whose blocks' first
+    elements get gradient 1 at every step (each block's largest v, 1 - 0.999^t), the others
+    +-1 for 50 steps and then 0 for 250, against a float32 Adam fed the same gradients. There
+    the decaying elements' v moves by 0.1% of itself per step, and the block's largest grows
+    by less than 1% per step from step 100 on: below half the unsigned map's relative gap near them (about 0.0035 / x,
+    x = v / absmax = 0.15 .. 1: 0.35% .. 2.4%), so rounded to nearest (the control) v keeps
+    its code, and stays far above. The plugin's codes, rounded stochastically, are unbiased:
+    each store's error has mean zero given the past and magnitude at most G x A (A <= 0.26, the
+    block's absmax at step 300; G = 0.9 / 128), and reaches v_T multiplied by b2^(T-t) <= 1.
+    So the mean of v over the N = 64 x 4080 decaying elements is off from float32's by a sum
+    of N x T martingale increments of at most G A / N each: by Azuma-Hoeffding it exceeds eps
+    with probability at most 2 exp(-eps^2 N / (2 T G^2 A^2)): for eps = 5e-4 (1.3% of the
+    exact v, 0.038), N = 261120, T = 300: 2 e^-32 (the seed is fixed: deterministic all the
+    same). The float32 arithmetic of both runs differs by far less (300 x 8 x U32 of v)."""
+    rows, cols, up, down = 64, 4096, 50, 250
+    p, ref = (torch.nn.Parameter(torch.zeros(rows, cols)) for _ in range(2))
+    opt, ref_opt = adam([p], True), adam([ref], False)
+    qmap = dynamic_map(False)
+    midpoints = (qmap[1:] + qmap[:-1]) / 2
+    nearest = torch.zeros(rows, cols)  # v stored rounded to nearest, in the same blocks
+    torch.manual_seed(0)
+    for t in range(up + down):
+        g = torch.randint(0, 2, (rows, cols)).float() * 2 - 1 if t < up else \
+            torch.zeros(rows, cols)
+        g[:, ::BLOCK] = 1.0  # each block's first element: its largest
+        p.grad, ref.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+        y = (BETAS[1] * nearest + (1 - BETAS[1]) * g * g).view(rows, -1, BLOCK)
+        a = y.amax(-1, keepdim=True)
+        nearest = (qmap[torch.bucketize(y / a, midpoints)] * a).view(rows, cols)
+    state = opt.state[p]
+    v = dequantize(state["exp_avg_sq"], state["exp_avg_sq_absmax"], False)
+    exact = ref_opt.state[ref]["exp_avg_sq"]
+    decaying = torch.ones(rows, cols, dtype=torch.bool)
+    decaying[:, ::BLOCK] = False
+    want = exact[decaying].mean().item()
+    eps = 5e-4 + (up + down) * 8 * U32
+    print(f"mean v: float32 {want:.6f}, 8-bit {v[decaying].mean().item():.6f}, "
+          f"rounded to nearest {nearest[decaying].mean().item():.6f}")
+    assert abs(v[decaying].mean().item() - want) <= eps
+    # the rounding-to-nearest control is far off: the test tells the two apart
+    assert nearest[decaying].mean().item() - want > 20 * eps
+
+
+# -- fairseq-train ------------------------------------------------------------------------------
+
+FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1"]
+#: the tiny model (conftest.TINY_MODEL) at width 64: its attention projections (64 x 64), FFN
+#: (128 x 64) and embedding (88 x 64) reach 8 bits' 4096 elements; biases and norms stay float32
+WIDER = ["--encoder-embed-dim", "64", "--decoder-embed-dim", "64",
+         "--encoder-ffn-embed-dim", "128", "--decoder-ffn-embed-dim", "128"]
+UPDATES = 200
+#: the 8-bit run saves at update 190 (resumed below) and at its end
+EIGHT_BIT = ["--eight-bit-adam-stats", "--save-interval-updates", "190"]
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory):
+    """2-rank runs of the wider tiny model, 200 updates (about 45 s with float32 moments, 65 s
+    with 8-bit ones on a Zen 2 core each): flags -> (rank 0's output, save dir), each once."""
+    done = {}
+
+    def run(*flags):
+        if flags not in done:
+            save_dir = tmp_path_factory.mktemp("run")
+            done[flags] = (ok(run_ranks(2, lambda r: train_args_for(
+                corpus, save_dir, *FSDP2, *WIDER, *flags, updates=UPDATES,
+                save="--save-interval-updates" in flags), timeout=600)), save_dir)
+        return done[flags]
+    return run
+
+
+def eight_bit_training_tolerance() -> float:
+    """Relative tolerance for the printed loss and gnorm of an update of the 8-bit run against
+    the float32-moment run: an ESTIMATE derived from the rounding, not a bound (a bound relative
+    to each element does not exist: the module docstring).
+
+    Each store's stochastic rounding error has mean zero given the past and lies within one gap
+    of the map, at most G x A (A: the block's largest element), so its standard deviation is at
+    most G / 2 x A. Carried into later moments multiplied by beta^k, independent draws add up
+    to a standard deviation of at most G / 2 x A x sqrt(sum beta^2k): 1 / sqrt(1 - 0.81) = 2.3
+    for m (G = 0.9 / 64), sqrt((1 - 0.999^400) / (1 - 0.999^2)) = 12.8 for v by update 200
+    (G = 0.9 / 128): 1.6% of the block's largest m, 4.5% of its largest v. An element near its
+    block's largest (those with the largest gradients, which move the loss most) then steps by
+    a fraction e = 1.6% + 4.5% / 2 = 3.9% (one standard deviation; 4 of them: 15%) differently;
+    as in tests/test_backend.py's adam_stats_tolerance, a relative change e of the steps moves
+    the loss by at most e x what the steps moved it (< the first loss): 3 e. Elements far below
+    their block's largest carry larger relative errors but small gradients. The two runs'
+    float32 arithmetic is otherwise the same."""
+    g_m, g_v = 0.9 / 64, 0.9 / 128
+    sd_m = g_m / 2 / math.sqrt(1 - BETAS[0] ** 2)
+    sd_v = g_v / 2 * math.sqrt((1 - BETAS[1] ** (2 * UPDATES)) / (1 - BETAS[1] ** 2))
+    return 3 * 4 * (sd_m + sd_v / 2)
+
+
+def test_eight_bit_adam_stats_train_within_their_rounding_of_float32_moments(trained):
+    """--eight-bit-adam-stats against the same run with float32 moments, 200 updates: update 1
+    and 2 equal bit for bit (the first step reads no stored moment), every later update's loss
+    and gnorm within eight_bit_training_tolerance, and the runs do differ."""
+    ours, _ = trained(*EIGHT_BIT)
+    assert "Adam's moments kept in 8bit between steps (--eight-bit-adam-stats)" in ours
+    got, want = per_update(ours), per_update(trained()[0])
+    assert sorted(got) == sorted(want) == list(range(1, UPDATES + 1))
+    assert got[1] == want[1] and got[2] == want[2], (got[1], want[1], got[2], want[2])
+    tolerance = eight_bit_training_tolerance()
+    worst = max(abs(float(x) - float(y)) / abs(float(y))
+                for n in got for x, y in zip(got[n], want[n]))
+    print(f"largest relative difference over {UPDATES} updates: {worst:.2e} "
+          f"(tolerance {tolerance:.2e} + the printed rounding)")
+    for n in range(3, UPDATES + 1):
+        for key, x, y in zip(("loss", "gnorm"), got[n], want[n]):
+            assert printed_close(x, y, tolerance, key), (n, got[n], want[n], tolerance)
+    assert got != want
+    assert float(got[UPDATES][0]) < 0.6 * float(got[1][0])  # it trained
+
+
+def test_eight_bit_adam_stats_are_saved_in_8_bits_and_resume_exactly(trained, corpus, tmp_path):
+    """The checkpoint of update 190 holds the weights' moments as uint8 codes shaped like the
+    weights with float32 block maxima (rows x blocks), the biases' and norms' in float32 (DCP
+    metadata); resumed from it, updates 191-200 equal the uninterrupted run's, bit for bit
+    (the stochastic rounding draws from the seed, the step and the parameter's place)."""
+    import torch.distributed.checkpoint as dcp
+
+    from fairseq_fsdp2.checkpoint.sharded import SHARDS_DIR
+    out, save_dir = trained(*EIGHT_BIT)
+    full = per_update(out)
+    (checkpoint,) = save_dir.glob(f"checkpoint_*_{UPDATES - 10}.pt")
+    shards = torch.load(checkpoint, weights_only=True)["fsdp2"]["shards"]
+    assert shards.startswith(SHARDS_DIR)
+    saved = dcp.FileSystemReader(str(save_dir / shards)).read_metadata().state_dict_metadata
+    codes = {k: v for k, v in saved.items() if k.startswith("optim.state.") and
+             k.endswith((".exp_avg", ".exp_avg_sq")) and v.properties.dtype == torch.uint8}
+    wide = [k for k, v in saved.items() if k.startswith("optim.state.") and
+            k.endswith((".exp_avg", ".exp_avg_sq")) and v.properties.dtype == torch.float32]
+    assert codes and wide and all(".bias." in k or "layer_norm" in k for k in wide), wide
+    for key, meta in codes.items():
+        absmax = saved[key + "_absmax"]
+        rows, row = meta.size[0], math.prod(meta.size[1:])
+        assert absmax.properties.dtype == torch.float32
+        assert tuple(absmax.size) == (rows, -(-row // BLOCK)), (key, absmax.size)
+    resumed = per_update(ok(run_ranks(2, lambda r: train_args_for(
+        corpus, tmp_path, *FSDP2, *WIDER, *EIGHT_BIT, "--restore-file", checkpoint,
+        updates=UPDATES))))
+    assert resumed == {n: full[n] for n in range(UPDATES - 9, UPDATES + 1)}, (resumed, full)
+
+
+def test_consolidate_exports_weights_without_the_8_bit_state(trained, tmp_path):
+    """python -m fairseq_fsdp2.consolidate on the 8-bit run's last checkpoint: a stock
+    checkpoint of float32 weights, the model's parameters (no codes, no block maxima) and no
+    optimizer state, as for a float32-moment run."""
+    out, save_dir = trained(*EIGHT_BIT)
+    exported = tmp_path / "model.pt"
+    proc = run_command("fairseq_fsdp2.consolidate", save_dir / "checkpoint_last.pt", exported)
+    assert proc.returncode == 0, proc.output[-2000:]
+    state = torch.load(exported, weights_only=True)
+    assert "last_optimizer_state" not in state and "fsdp2" not in state
+    model = state["model"]
+    assert model and all(t.dtype == torch.float32 for t in model.values())
+    assert not any("absmax" in k or "exp_avg" in k for k in model)
+    assert "encoder.layers.0.self_attn.k_proj.weight" in model
+    assert model["encoder.layers.0.self_attn.k_proj.weight"].shape == (64, 64)

@@ -20,8 +20,11 @@ the plugin itself reads and writes safetensors without them.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import filecmp
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -34,6 +37,7 @@ import torch
 
 from conftest import FIXTURE_DEPS, PLUGIN, TESTS, need_fixture_dep
 from launcher import base_env, finish_ranks, ok, start_command, start_ranks, train_inner
+from numerics import U32
 
 from fairseq_fsdp2.consolidate import main as consolidate_main
 from fairseq_fsdp2.data import numbers
@@ -47,14 +51,30 @@ TINY = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=128,
             max_position_embeddings=512, encoder_layerdrop=0.0, decoder_layerdrop=0.0,
             init_std=0.5)  # large weights: greedy outputs that differ by source, far from ties
 MAX_LEN = 12  # fairseq-generate --max-len-b: tokens before the forced end of sentence
-# Float tolerance for HF vs fairseq logits, relative to max(1, max |logit|): EMPIRICAL. Both
-# run the same float32 operations in other kernels and orders (HF: SDPA over separate q/k/v;
-# fairseq: torch's multi_head_attention_forward). No sound bound is derived: each of the 10
-# sublayers' sums is reordered (n up to 128 terms), then layer norms divide by a standard
-# deviation and softmax exponentiates, so how far the logits move depends on the weights
-# (init_std 0.5 here). Measured on an AMD EPYC (Zen 2): 7.5e-7 (hub weights) and 8.3e-7 (the
-# fine-tuned export), a margin of about 120; a wrong weight mapping moves logits by O(1).
-LOGIT_RTOL = 1e-4
+# HF against fairseq: logits and greedy choices are compared in float64 (both models converted
+# with .double(); their float32 weights are exact in float64), where the two implementations'
+# rounding lies far below what a wrong weight mapping does (a row, a transposition, a scale or
+# bias lost: logits move by O(1)), on any CPU. "scale" is max(1, max |logit|).
+# Each side's float64 logits are within A x U64 x scale of the exact ones, A being how far the
+# forward amplifies its relative roundings (10 sublayers of sums reordered by the kernels, layer
+# norms dividing by a standard deviation, softmax exponentiating: it depends on the weights, with
+# no a-priori value). The same forward in float32 is within about A x U32 x scale: the guard in
+# assert_logits_close requires each side's float32 logits within 2^-10 x scale of its float64
+# ones (AMPLIFICATION_GUARD), so A <= 2^14 and the two float64 results are within
+# 2 x 2^14 x 2^-53 = 2^-38 x scale of each other, 16x below LOGIT_TOL = 2^-34. (Seen on a Zen 5,
+# AVX-512: float32 within 8e-7 (here) and 1.2e-5 (test_hf_add_langs) of float64, A 14 and 200;
+# float64 within 3e-15.) fairseq's float64 forward is made float64 throughout by
+# fairseq_in_float64. Mutations tried: one weight element x (1 + 1e-5) on the HF side moves the
+# logits by 5e-8 and 9e-9 x scale (the earlier float32 tolerance, 1e-4, let it pass).
+LOGIT_TOL = 2.0 ** -34
+AMPLIFICATION_GUARD = 2.0 ** -10
+# Greedy choices: transformers' generate takes the argmax of the float64 logits rounded to
+# float32 (generation/utils.py: next_token_logits .to(torch.float32)), each moved by up to
+# U32 x scale; fairseq's (float64 log-probabilities, fairseq_in_float64) and HF's logits differ
+# by up to LOGIT_TOL x scale. So the two can choose differently only where fairseq's best and
+# second-best logits are within 2 x (LOGIT_TOL + U32) x scale: NEAR_TIE, in units of
+# LOGIT_TOL x scale (greedy_gaps).
+NEAR_TIE = 2 * (LOGIT_TOL + U32) / LOGIT_TOL
 
 
 def reference(*args, timeout=300) -> subprocess.Popen:
@@ -113,43 +133,89 @@ def shapes(model) -> dict:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
+@contextlib.contextmanager
+def fairseq_in_float64(model):
+    """fairseq computes attention probabilities (cross-attention, and self-attention when
+    decoding step by step) and the decoder's normalized output in float32 whatever the model's
+    dtype (fairseq.utils.softmax / log_softmax pass dtype=torch.float32), which would round a
+    float64 model's results to float32 precision. For a float64 ``model``, inside this they keep
+    their input's dtype; a float32 model runs fairseq's code unchanged."""
+    from fairseq import utils
+    saved = utils.softmax, utils.log_softmax
+    if next(model.parameters()).dtype == torch.float64:
+        utils.softmax = lambda x, dim, onnx_trace=False: torch.softmax(x, dim)
+        utils.log_softmax = lambda x, dim, onnx_trace=False: torch.log_softmax(x, dim)
+    try:
+        yield
+    finally:
+        utils.softmax, utils.log_softmax = saved
+
+
 def fairseq_logits(model, request) -> torch.Tensor:
+    """The model's logits (in the model's dtype) of the request's ``src`` / ``prev``."""
     src = torch.tensor(request["src"])
-    with torch.no_grad():
+    with torch.no_grad(), fairseq_in_float64(model):
         return model(src, src.ne(1).sum(1), torch.tensor(request["prev"]))[0]
 
 
-def assert_logits_close(ours: torch.Tensor, theirs) -> None:
-    theirs = torch.tensor(theirs)
-    tol = LOGIT_RTOL * max(1.0, theirs.abs().max().item())
-    assert ours.shape == theirs.shape
-    assert (ours - theirs).abs().max().item() <= tol
+def assert_logits_close(model, model64, request, result) -> None:
+    """fairseq's float64 logits (``model64``: ``model`` converted with .double()) equal HF's
+    float64 ones within LOGIT_TOL x scale, after the guard on both sides' amplification of
+    rounding (float32 within AMPLIFICATION_GUARD x scale of float64; see LOGIT_TOL)."""
+    ours32, ours64 = fairseq_logits(model, request), fairseq_logits(model64, request)
+    theirs32 = torch.tensor(result["logits"], dtype=torch.float64)
+    theirs64 = torch.tensor(result["logits64"], dtype=torch.float64)
+    assert ours64.dtype == torch.float64 and ours64.shape == theirs64.shape == ours32.shape
+    scale = max(1.0, theirs64.abs().max().item())
+    float32 = {}
+    for side, x32, x64 in (("fairseq", ours32.double(), ours64), ("HF", theirs32, theirs64)):
+        float32[side] = (x32 - x64).abs().max().item() / scale
+        assert float32[side] <= AMPLIFICATION_GUARD, (side, float32[side])
+    worst = (ours64 - theirs64).abs().max().item() / scale
+    print(f"|float32 - float64| logits: {float32} x scale (guard {AMPLIFICATION_GUARD:.2e}); "
+          f"|fairseq - HF| float64 logits: {worst:.2e} x scale (tolerance {LOGIT_TOL:.2e})")
+    assert worst <= LOGIT_TOL, worst
 
 
-def greedy_gaps(model, src: list[int], tokens: list[int]) -> list[float]:
+def greedy_gaps(model64, src: list[int], tokens: list[int]) -> list[float]:
     """For each of fairseq's greedy ``tokens`` (language first), how far its choice was from a
-    tie: the best minus the second-best logit there, in units of the logit tolerance (pad
-    excluded: fairseq's generator never picks it)."""
+    tie: the best minus the second-best float64 logit there, in units of LOGIT_TOL x scale
+    (pad excluded: fairseq's generator never picks it)."""
     prev = [[2] + tokens[:-1]]  # fairseq's decoder starts from </s>
-    logits = fairseq_logits(model, {"src": [src], "prev": prev})[0]
-    tol = LOGIT_RTOL * max(1.0, logits.abs().max().item())
+    logits = fairseq_logits(model64, {"src": [src], "prev": prev})[0]
+    tol = LOGIT_TOL * max(1.0, logits.abs().max().item())
     logits[:, 1] = -torch.inf
     top = logits.topk(2, dim=-1).values
     return ((top[:, 0] - top[:, 1]) / tol).tolist()
 
 
 def assert_same_greedy_choices(theirs: list, ours: list, gaps: list[float], sentence: int) -> None:
-    """Two greedy decodings whose logits agree within the tolerance (assert_logits_close) choose
-    alike at every step, except where fairseq's best and second-best logits are within twice
-    the tolerance of each other (each may move by it): there rounding alone can flip the choice,
-    and after it the two continue from different contexts. So the sequences are equal, or they
-    first differ at such a near-tie, and nothing after it is compared. How close a greedy step
-    comes to a tie depends on the trained weights, so on the CPU's kernels: a gap of 0.3 tol was
-    seen once, on an AMD EPYC, in 10 fine-tuned updates."""
+    """HF's and fairseq's float64 greedy decodings choose alike at every step, except at a
+    near-tie (gap <= NEAR_TIE): there rounding alone can flip the choice, and after it the two
+    continue from different contexts. So the sequences are equal, or they first differ at such
+    a near-tie, and nothing after it is compared. (A near-tie is a gap below about 2^-23 of the
+    logits' scale: the rule is there for soundness, not because one was seen.)"""
     k = next((k for k, (a, b) in enumerate(zip(theirs, ours)) if a != b), None)
     if k is None and len(theirs) != len(ours):
         k = min(len(theirs), len(ours))
-    assert k is None or gaps[k] <= 2, (sentence, k, theirs, ours, gaps)
+    assert k is None or gaps[k] <= NEAR_TIE, (sentence, k, theirs, ours, gaps)
+
+
+def hypothesis(task, generator, model, src: list[int]) -> dict:
+    """fairseq's best hypothesis for one sentence (its ``tokens``: language, words, </s>; its
+    ``score``)."""
+    sample = {"net_input": {"src_tokens": torch.tensor([src]),
+                            "src_lengths": torch.tensor([len(src)])}}
+    with fairseq_in_float64(model):
+        return task.inference_step(generator, [model], sample)[0][0]
+
+
+def greedy(task, generator, model, src: list[int]) -> list[int]:
+    return hypothesis(task, generator, model, src)["tokens"].tolist()
+
+
+def as_float64(model):
+    return copy.deepcopy(model).double()
 
 
 # --- the dictionary ---------------------------------------------------------------------------
@@ -218,7 +284,7 @@ def test_hub_weights_give_the_hf_logits_in_fairseq(hub):
     weights = hf_nllb.open_checked(str(hub.dir), cfg.model, shapes(model),
                                    task.source_dictionary.symbols)
     model.load_state_dict(dict(weights), strict=True)
-    assert_logits_close(fairseq_logits(model, hub.request), hub.result["logits"])
+    assert_logits_close(model, as_float64(model), hub.request, hub.result)
 
 
 def test_sharded_safetensors_read_the_same(hub, tmp_path):
@@ -335,11 +401,16 @@ def test_export_loads_in_transformers_and_matches_fairseq(hub, finetuned, tmp_pa
                    max_new_tokens=MAX_LEN + 1)
     (tmp_path / "request.json").write_text(json.dumps(request))
     hf = reference("check", out, tmp_path / "request.json", tmp_path / "result.json")
-    # stock fairseq-generate (a process that never imports the plugin), beside transformers
+    # stock fairseq-generate (a process that never imports the plugin), beside transformers,
+    # one sentence per batch (--batch-size 1): the very float32 computation that fairseq's
+    # generator makes for one sentence in this process (the same code, weights, shapes and one
+    # thread), so the same tokens and score whatever the CPU's kernels round: compared exactly
+    # below (the score, which any change of a weight the sentence uses moves, as printed: the
+    # float32 value's shortest repr)
     gen = start_command(
         "fairseq_cli.generate", hub.data, "--path", consolidated, *task_flags(hub.data),
         "--source-lang", PAIR[0], "--target-lang", PAIR[1], "--gen-subset", "test",
-        "--beam", "1", "--max-len-a", "0", "--max-len-b", MAX_LEN, "--batch-size", "64",
+        "--beam", "1", "--max-len-a", "0", "--max-len-b", MAX_LEN, "--batch-size", "1",
         "--required-batch-size-multiple", "1", "--cpu", "--num-workers", "0")
     finish(hf)
     (generate,) = finish_ranks([gen], timeout=240)
@@ -347,25 +418,35 @@ def test_export_loads_in_transformers_and_matches_fairseq(hub, finetuned, tmp_pa
     assert generate.returncode == 0 and "fairseq_fsdp2" not in generated, generated[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
 
-    assert_logits_close(fairseq_logits(model, request), result["logits"])
-    printed = {int(m[1]): m[2] for m in re.finditer(r"^H-(\d+)\t\S+\t(.*)$", generated, re.M)}
+    model64 = as_float64(model)
+    assert_logits_close(model, model64, request, result)
+    printed = {int(m[1]): (m[2], m[3].split())
+               for m in re.finditer(r"^H-(\d+)\t(\S+)\t(.*)$", generated, re.M)}
     assert len(printed) == len(sources)
     generator = task.build_generator([model], cfg.generation)
+    generator64 = task.build_generator([model64], cfg.generation)
     distinct = set()
-    for i, (src, theirs) in enumerate(zip(sources, result["generated"])):
-        sample = {"net_input": {"src_tokens": torch.tensor([src]),
-                                "src_lengths": torch.tensor([len(src)])}}
-        ours = task.inference_step(generator, [model], sample)[0][0]["tokens"].tolist()
-        gaps = greedy_gaps(model, src, ours)
-        # HF: decoder start </s>, forced language, tokens (to max_new_tokens); fairseq:
-        # language (the prefix), tokens, </s> (forced after MAX_LEN tokens)
-        assert theirs[0] == 2 and ours[0] == theirs[1] == request["tgt_lang_id"]
-        n = len(ours) if len(ours) <= MAX_LEN else MAX_LEN  # else: forced to end
-        assert_same_greedy_choices(theirs[1:n + 1], ours[:n], gaps, i)
-        # and stock fairseq-generate printed the same (without language tokens, fairseq's way;
-        # its batch of 64 rounds differently from one sentence: the same near-tie rule)
-        shown = d.string(torch.tensor(ours),
-                         extra_symbols_to_ignore=generator.symbols_to_strip_from_output)
-        assert_same_greedy_choices(printed[i].split(), shown.split(), gaps[1:], i)
-        distinct.add(tuple(ours))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as fairseq-generate's process (OMP_NUM_THREADS=1)
+    try:
+        for i, (src, theirs) in enumerate(zip(sources, result["generated"])):
+            # transformers (float64) against fairseq in float64, with the near-tie rule
+            ours = greedy(task, generator64, model64, src)
+            # HF: decoder start </s>, forced language, tokens (to max_new_tokens); fairseq:
+            # language (the prefix), tokens, </s> (forced after MAX_LEN tokens)
+            assert theirs[0] == 2 and ours[0] == theirs[1] == request["tgt_lang_id"]
+            n = len(ours) if len(ours) <= MAX_LEN else MAX_LEN  # else: forced to end
+            assert_same_greedy_choices(theirs[1:n + 1], ours[:n], greedy_gaps(model64, src, ours),
+                                       i)
+            # stock fairseq-generate printed what fairseq's float32 generator makes here,
+            # token for token (without language tokens, fairseq's way), with the same score
+            # (fairseq-generate's: base 2)
+            hypo = hypothesis(task, generator, model, src)
+            shown = d.string(hypo["tokens"],
+                             extra_symbols_to_ignore=generator.symbols_to_strip_from_output)
+            here = ("{}".format(hypo["score"] / math.log(2)), shown.split())
+            assert printed[i] == here, (i, printed[i], here)
+            distinct.add(tuple(ours))
+    finally:
+        torch.set_num_threads(threads)
     assert len(distinct) > 5  # the outputs depend on the source

@@ -24,8 +24,9 @@ import torch
 
 from conftest import PLUGIN
 from launcher import finish_ranks, ok, start_ranks, train_inner
-from test_hf_nllb import (FIXTURE_DEPS, MAX_LEN, TINY, as_float64, assert_logits_close,
-                          assert_same_greedy_choices, finish, greedy, greedy_gaps, reference)
+from hf_compare import (as_float64, assert_logits_close, assert_same_greedy_choices, greedy,
+                        greedy_gaps)
+from test_hf_nllb import FIXTURE_DEPS, MAX_LEN, TINY, finish, reference
 
 from fairseq_fsdp2.models.nllb_languages import lang_of_token
 from fairseq_fsdp2.consolidate import main as consolidate_main

@@ -7,14 +7,17 @@ test-only transformers on its path (never in the pytest process or the fairseq r
         SentencePiece model and the NllbTokenizer files; then what ``check`` computes.
     python hf_reference.py check MODEL_DIR REQUEST.json RESULT.json
         load MODEL_DIR with from_pretrained and compute, in eval mode:
-        - ``logits`` of ``src`` (left-padded with 1) / ``prev`` (decoder input) token ids;
+        - ``logits`` of ``src`` (left-padded with 1) / ``prev`` (decoder input) token ids, and
+          the same in float64 (``logits64``: the model converted with ``.double()``, its float32
+          weights exact in float64);
         - greedy ``generate`` of each ``gen_src`` sentence (forced first token: the target
-          language, as NLLB does): its tokens;
+          language, as NLLB does), by the float64 model: its tokens;
         - the tokenizer's ids of ``texts`` (source side, ``src_lang``; and of each language's
           ``texts_by_lang``), its whole vocabulary (token -> id) and the ``generated`` tokens
           decoded to text, when MODEL_DIR has a tokenizer (tokenizer.json);
         - the config's ``vocab_size``.
 """
+import copy
 import json
 import shutil
 import sys
@@ -26,12 +29,14 @@ import torch
 def compute(model, tokenizer, request: dict) -> dict:
     result = {}
     src = torch.tensor(request["src"])
-    with torch.no_grad():
-        out = model(input_ids=src, attention_mask=src.ne(1).long(),
+    model64 = copy.deepcopy(model).double()
+    for key, m in (("logits", model), ("logits64", model64)):
+        with torch.no_grad():
+            out = m(input_ids=src, attention_mask=src.ne(1).long(),
                     decoder_input_ids=torch.tensor(request["prev"]))
-    result["logits"] = out.logits.tolist()
+        result[key] = out.logits.tolist()  # json writes float64 values exactly (repr)
     result["generated"] = [
-        model.generate(torch.tensor([ids]), num_beams=1, do_sample=False,
+        model64.generate(torch.tensor([ids]), num_beams=1, do_sample=False,
                        forced_bos_token_id=request["tgt_lang_id"],
                        max_new_tokens=request["max_new_tokens"])[0].tolist()
         for ids in request["gen_src"]]

@@ -135,31 +135,24 @@ def test_a_hung_rank_is_named_after_the_heartbeat_timeout(train_args, tmp_path):
     assert len(lines) == 1 and "lost rank 1 (rank 0 noticed at update 3)" in lines[0], lines
 
 
-#: Seconds a rank may take besides --heartbeat-timeout before it gives up on a peer that never
-#: comes: its start-up (forked with torch and fairseq imported: parsing, the plugin's import,
-#: the config; about 2 s idle, tens of seconds on a loaded 2-core machine) and torch's store
-#: client, which after its timeout waits one backoff pause before it checks its deadline
-#: (4.3 s seen). Far below torch's own 30 minutes, the wait without the option.
-START_UP_ALLOWANCE_S = 60
+#: torch's own wait for a peer without --heartbeat-timeout (its default process-group timeout)
+TORCH_DEFAULT_WAIT_S = 30 * 60
 
 
 def test_a_rank_whose_peer_never_comes_gives_up_after_the_timeout(train_args):
     """Rank 1 of 2, and rank 0 never starts (died before the rendezvous): without
-    --heartbeat-timeout torch waits 30 minutes; with it, one line after the timeout: within
-    the timeout plus START_UP_ALLOWANCE_S of the rank's start (a run still waiting then is
-    killed, and fails the exit-status check), and torch's own message names the 5 s."""
+    --heartbeat-timeout torch waits 30 minutes; with it, the rank stops by itself (exit status
+    1: not killed) with one line, and torch's own message in it names the 5 s its store waited:
+    that, not a clock, shows the timeout in effect (how long start-up takes depends on the CPU
+    and its load: no test times it). A run still waiting after HANG_S, far below torch's
+    30 minutes, is killed and fails the exit-status check."""
+    assert HANG_S < TORCH_DEFAULT_WAIT_S
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
            "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
     timeout = 5
     args = train_args("--ddp-backend", "fsdp2", "--heartbeat-timeout", timeout)
-    # timed from the fork (start_ranks returns once the process exists), not from the test
-    # fork server's first start
-    procs = start_ranks(1, lambda _: args, env=env, torchrun_env=False)
-    started = time.monotonic()
-    (r,) = finish_ranks(procs, timeout + START_UP_ALLOWANCE_S)
-    took = time.monotonic() - started
+    (r,) = finish_ranks(start_ranks(1, lambda _: args, env=env, torchrun_env=False), HANG_S)
     assert r.returncode == 1, r.output[-3000:]  # stopped by itself, not killed
-    assert took <= timeout + START_UP_ALLOWANCE_S, took
     lines = [l for l in r.output.splitlines() if l.startswith("fairseq_fsdp2: error:")]
     assert len(lines) == 1 and lines[0].startswith(
         "fairseq_fsdp2: error: rank 1 could not meet the other ranks at env:// within "

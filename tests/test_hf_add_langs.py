@@ -24,9 +24,9 @@ import torch
 
 from conftest import PLUGIN
 from launcher import finish_ranks, ok, start_ranks, train_inner
-from test_hf_nllb import (FIXTURE_DEPS, MAX_LEN, TINY, assert_logits_close,
-                          assert_same_greedy_choices, fairseq_logits, finish, greedy_gaps,
-                          reference)
+from hf_compare import (as_float64, assert_logits_close, assert_same_greedy_choices, greedy,
+                        greedy_gaps)
+from test_hf_nllb import FIXTURE_DEPS, MAX_LEN, TINY, finish, reference
 
 from fairseq_fsdp2.models.nllb_languages import lang_of_token
 from fairseq_fsdp2.consolidate import main as consolidate_main
@@ -168,18 +168,19 @@ def test_export_loads_in_transformers_tokenizes_the_new_language_and_generates_a
     assert len(used) > 5
     assert result["texts_by_lang"][PAIR[0]] == sources
 
-    assert_logits_close(fairseq_logits(model, request), result["logits"])
-    generator = task.build_generator([model], cfg.generation)
+    model64 = as_float64(model)
+    assert_logits_close(model, model64, request, result)
+    generator64 = task.build_generator([model64], cfg.generation)
     same, distinct = 0, set()
     for i, (src, theirs) in enumerate(zip(sources, result["generated"])):
-        sample = {"net_input": {"src_tokens": torch.tensor([src]),
-                                "src_lengths": torch.tensor([len(src)])}}
-        ours = task.inference_step(generator, [model], sample)[0][0]["tokens"].tolist()
+        # both in float64 (transformers' generate and fairseq's): the near-tie rule of
+        # test_hf_nllb.assert_same_greedy_choices
+        ours = greedy(task, generator64, model64, src)
         # HF: decoder start </s>, the forced new language, tokens; fairseq: the language (its
         # prefix), tokens, </s> (forced after MAX_LEN tokens)
         assert theirs[0] == 2 and ours[0] == theirs[1] == lat
         n = len(ours) if len(ours) <= MAX_LEN else MAX_LEN
-        assert_same_greedy_choices(theirs[1:n + 1], ours[:n], greedy_gaps(model, src, ours), i)
+        assert_same_greedy_choices(theirs[1:n + 1], ours[:n], greedy_gaps(model64, src, ours), i)
         same += theirs[1:n + 1] == ours[:n]
         distinct.add(tuple(ours))
         # and its text is SentencePiece's decoding of those pieces (without the tokenizer's
@@ -188,4 +189,7 @@ def test_export_loads_in_transformers_tokenizes_the_new_language_and_generates_a
                   if t >= d.nspecial and lang_of_token(d[t]) is None and d[t] != "<mask>"]
         assert result["decoded"][i] == sp.decode(pieces), (pieces, result["decoded"][i])
     print(f"{same} of {len(sources)} greedy translations alike, {len(distinct)} distinct")
-    assert same > len(sources) // 2 and len(distinct) > 5  # they depend on the source
+    # the comparison compared (at least one whole translation: each sentence either matches or
+    # differs first at a near-tie, which in float64 needs a gap below 2^-23 of the logits'
+    # scale), and the outputs depend on the source
+    assert same >= 1 and len(distinct) > 5

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import filecmp
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -34,6 +35,8 @@ import torch
 
 from conftest import FIXTURE_DEPS, PLUGIN, TESTS, need_fixture_dep
 from launcher import base_env, finish_ranks, ok, start_command, start_ranks, train_inner
+from hf_compare import (as_float64, assert_logits_close, assert_same_greedy_choices, greedy,
+                        greedy_gaps, hypothesis)
 
 from fairseq_fsdp2.consolidate import main as consolidate_main
 from fairseq_fsdp2.data import numbers
@@ -47,14 +50,7 @@ TINY = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=128,
             max_position_embeddings=512, encoder_layerdrop=0.0, decoder_layerdrop=0.0,
             init_std=0.5)  # large weights: greedy outputs that differ by source, far from ties
 MAX_LEN = 12  # fairseq-generate --max-len-b: tokens before the forced end of sentence
-# Float tolerance for HF vs fairseq logits, relative to max(1, max |logit|): EMPIRICAL. Both
-# run the same float32 operations in other kernels and orders (HF: SDPA over separate q/k/v;
-# fairseq: torch's multi_head_attention_forward). No sound bound is derived: each of the 10
-# sublayers' sums is reordered (n up to 128 terms), then layer norms divide by a standard
-# deviation and softmax exponentiates, so how far the logits move depends on the weights
-# (init_std 0.5 here). Measured on an AMD EPYC (Zen 2): 7.5e-7 (hub weights) and 8.3e-7 (the
-# fine-tuned export), a margin of about 120; a wrong weight mapping moves logits by O(1).
-LOGIT_RTOL = 1e-4
+
 
 
 def reference(*args, timeout=300) -> subprocess.Popen:
@@ -112,44 +108,6 @@ def task_flags(data: Path) -> list[str]:
 def shapes(model) -> dict:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
-
-def fairseq_logits(model, request) -> torch.Tensor:
-    src = torch.tensor(request["src"])
-    with torch.no_grad():
-        return model(src, src.ne(1).sum(1), torch.tensor(request["prev"]))[0]
-
-
-def assert_logits_close(ours: torch.Tensor, theirs) -> None:
-    theirs = torch.tensor(theirs)
-    tol = LOGIT_RTOL * max(1.0, theirs.abs().max().item())
-    assert ours.shape == theirs.shape
-    assert (ours - theirs).abs().max().item() <= tol
-
-
-def greedy_gaps(model, src: list[int], tokens: list[int]) -> list[float]:
-    """For each of fairseq's greedy ``tokens`` (language first), how far its choice was from a
-    tie: the best minus the second-best logit there, in units of the logit tolerance (pad
-    excluded: fairseq's generator never picks it)."""
-    prev = [[2] + tokens[:-1]]  # fairseq's decoder starts from </s>
-    logits = fairseq_logits(model, {"src": [src], "prev": prev})[0]
-    tol = LOGIT_RTOL * max(1.0, logits.abs().max().item())
-    logits[:, 1] = -torch.inf
-    top = logits.topk(2, dim=-1).values
-    return ((top[:, 0] - top[:, 1]) / tol).tolist()
-
-
-def assert_same_greedy_choices(theirs: list, ours: list, gaps: list[float], sentence: int) -> None:
-    """Two greedy decodings whose logits agree within the tolerance (assert_logits_close) choose
-    alike at every step, except where fairseq's best and second-best logits are within twice
-    the tolerance of each other (each may move by it): there rounding alone can flip the choice,
-    and after it the two continue from different contexts. So the sequences are equal, or they
-    first differ at such a near-tie, and nothing after it is compared. How close a greedy step
-    comes to a tie depends on the trained weights, so on the CPU's kernels: a gap of 0.3 tol was
-    seen once, on an AMD EPYC, in 10 fine-tuned updates."""
-    k = next((k for k, (a, b) in enumerate(zip(theirs, ours)) if a != b), None)
-    if k is None and len(theirs) != len(ours):
-        k = min(len(theirs), len(ours))
-    assert k is None or gaps[k] <= 2, (sentence, k, theirs, ours, gaps)
 
 
 # --- the dictionary ---------------------------------------------------------------------------
@@ -218,7 +176,7 @@ def test_hub_weights_give_the_hf_logits_in_fairseq(hub):
     weights = hf_nllb.open_checked(str(hub.dir), cfg.model, shapes(model),
                                    task.source_dictionary.symbols)
     model.load_state_dict(dict(weights), strict=True)
-    assert_logits_close(fairseq_logits(model, hub.request), hub.result["logits"])
+    assert_logits_close(model, as_float64(model), hub.request, hub.result)
 
 
 def test_sharded_safetensors_read_the_same(hub, tmp_path):
@@ -335,11 +293,16 @@ def test_export_loads_in_transformers_and_matches_fairseq(hub, finetuned, tmp_pa
                    max_new_tokens=MAX_LEN + 1)
     (tmp_path / "request.json").write_text(json.dumps(request))
     hf = reference("check", out, tmp_path / "request.json", tmp_path / "result.json")
-    # stock fairseq-generate (a process that never imports the plugin), beside transformers
+    # stock fairseq-generate (a process that never imports the plugin), beside transformers,
+    # one sentence per batch (--batch-size 1): the very float32 computation that fairseq's
+    # generator makes for one sentence in this process (the same code, weights, shapes and one
+    # thread), so the same tokens and score whatever the CPU's kernels round: compared exactly
+    # below (the score, which any change of a weight the sentence uses moves, as printed: the
+    # float32 value's shortest repr)
     gen = start_command(
         "fairseq_cli.generate", hub.data, "--path", consolidated, *task_flags(hub.data),
         "--source-lang", PAIR[0], "--target-lang", PAIR[1], "--gen-subset", "test",
-        "--beam", "1", "--max-len-a", "0", "--max-len-b", MAX_LEN, "--batch-size", "64",
+        "--beam", "1", "--max-len-a", "0", "--max-len-b", MAX_LEN, "--batch-size", "1",
         "--required-batch-size-multiple", "1", "--cpu", "--num-workers", "0")
     finish(hf)
     (generate,) = finish_ranks([gen], timeout=240)
@@ -347,25 +310,35 @@ def test_export_loads_in_transformers_and_matches_fairseq(hub, finetuned, tmp_pa
     assert generate.returncode == 0 and "fairseq_fsdp2" not in generated, generated[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
 
-    assert_logits_close(fairseq_logits(model, request), result["logits"])
-    printed = {int(m[1]): m[2] for m in re.finditer(r"^H-(\d+)\t\S+\t(.*)$", generated, re.M)}
+    model64 = as_float64(model)
+    assert_logits_close(model, model64, request, result)
+    printed = {int(m[1]): (m[2], m[3].split())
+               for m in re.finditer(r"^H-(\d+)\t(\S+)\t(.*)$", generated, re.M)}
     assert len(printed) == len(sources)
     generator = task.build_generator([model], cfg.generation)
+    generator64 = task.build_generator([model64], cfg.generation)
     distinct = set()
-    for i, (src, theirs) in enumerate(zip(sources, result["generated"])):
-        sample = {"net_input": {"src_tokens": torch.tensor([src]),
-                                "src_lengths": torch.tensor([len(src)])}}
-        ours = task.inference_step(generator, [model], sample)[0][0]["tokens"].tolist()
-        gaps = greedy_gaps(model, src, ours)
-        # HF: decoder start </s>, forced language, tokens (to max_new_tokens); fairseq:
-        # language (the prefix), tokens, </s> (forced after MAX_LEN tokens)
-        assert theirs[0] == 2 and ours[0] == theirs[1] == request["tgt_lang_id"]
-        n = len(ours) if len(ours) <= MAX_LEN else MAX_LEN  # else: forced to end
-        assert_same_greedy_choices(theirs[1:n + 1], ours[:n], gaps, i)
-        # and stock fairseq-generate printed the same (without language tokens, fairseq's way;
-        # its batch of 64 rounds differently from one sentence: the same near-tie rule)
-        shown = d.string(torch.tensor(ours),
-                         extra_symbols_to_ignore=generator.symbols_to_strip_from_output)
-        assert_same_greedy_choices(printed[i].split(), shown.split(), gaps[1:], i)
-        distinct.add(tuple(ours))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as fairseq-generate's process (OMP_NUM_THREADS=1)
+    try:
+        for i, (src, theirs) in enumerate(zip(sources, result["generated"])):
+            # transformers (float64) against fairseq in float64, with the near-tie rule
+            ours = greedy(task, generator64, model64, src)
+            # HF: decoder start </s>, forced language, tokens (to max_new_tokens); fairseq:
+            # language (the prefix), tokens, </s> (forced after MAX_LEN tokens)
+            assert theirs[0] == 2 and ours[0] == theirs[1] == request["tgt_lang_id"]
+            n = len(ours) if len(ours) <= MAX_LEN else MAX_LEN  # else: forced to end
+            assert_same_greedy_choices(theirs[1:n + 1], ours[:n], greedy_gaps(model64, src, ours),
+                                       i)
+            # stock fairseq-generate printed what fairseq's float32 generator makes here,
+            # token for token (without language tokens, fairseq's way), with the same score
+            # (fairseq-generate's: base 2)
+            hypo = hypothesis(task, generator, model, src)
+            shown = d.string(hypo["tokens"],
+                             extra_symbols_to_ignore=generator.symbols_to_strip_from_output)
+            here = ("{}".format(hypo["score"] / math.log(2)), shown.split())
+            assert printed[i] == here, (i, printed[i], here)
+            distinct.add(tuple(ours))
+    finally:
+        torch.set_num_threads(threads)
     assert len(distinct) > 5  # the outputs depend on the source

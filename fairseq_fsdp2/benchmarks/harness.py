@@ -76,13 +76,14 @@ def free_port() -> int:
 
 
 def launch(world: int, args_of_rank: Callable[[int], list[str]], timeout: float,
-           preload: Sequence[str] = (), program: Optional[Sequence[str]] = None
-           ) -> list[tuple[int, str]]:
+           preload: Sequence[str] = (), program: Optional[Sequence[str]] = None,
+           wrapper: Sequence[str] = ()) -> list[tuple[int, str]]:
     """One process per rank with torchrun's environment; (returncode, output) per rank.
 
     Each rank runs ``program`` with ``args_of_rank(rank)``; by default the worker (worker.py),
     which imports the modules named in ``preload`` first (found on PYTHONPATH: a probe that
-    patches fairseq's Trainer, say) and this checkout's package (put first on PYTHONPATH)."""
+    patches fairseq's Trainer, say) and this checkout's package (put first on PYTHONPATH).
+    ``wrapper``: a command each rank runs under (e.g. GNU time, measuring it from outside)."""
     if program is None:
         program = [*WORKER, *(f"--import={name}" for name in preload)]
         path = os.environ.get("PYTHONPATH", "")
@@ -99,7 +100,7 @@ def launch(world: int, args_of_rank: Callable[[int], list[str]], timeout: float,
                    WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world), **pythonpath)
         procs.append(subprocess.Popen(
-            [*program, *args_of_rank(rank)],
+            [*wrapper, *program, *args_of_rank(rank)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     results = []
     deadline = time.time() + timeout
@@ -169,12 +170,16 @@ def versions() -> dict:
     import torch
     from importlib.metadata import version
 
-    cpu = ""
+    cpu, fields = "", {}
     try:
         for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            key, _, value = line.partition(":")
+            if not key.strip():
+                break  # the first processor's fields only
+            fields.setdefault(key.strip(), value.strip())
+        cpu = fields.get("model name", "")
+        if "cpu family" in fields and "model" in fields:  # which generation: Zen 2/3/4/5, ...
+            cpu += f", family {fields['cpu family']} model {fields['model']}"
     except OSError:
         pass
     mem = 0.0

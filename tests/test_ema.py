@@ -35,8 +35,8 @@ from fairseq.models.ema import EMA
 
 from launcher import run_command
 from numerics import U16, U32, clipped_norms, sgd_reordered_bound
-from test_fairseq_compat import (assert_resumed_exactly, assert_same_training,
-                                 tiny_model_scenario, resumed_at, updates)
+from scenarios import (assert_resumed_exactly, assert_same_training, resumed_at,
+                       tiny_model_scenario, updates)
 
 import fairseq_fsdp2  # noqa: F401  (allow-lists the classes fairseq pickles for torch.load)
 from fairseq_fsdp2.checkpoint.export import consolidate, full_ema, full_tensors

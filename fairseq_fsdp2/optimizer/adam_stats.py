@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..sharding.mesh import comm_device
+from ..sharding.mesh import comm_device, local_part
 from .blockwise_8bit import dequantize, quantizable, quantize, rows_like
 from .local_shard_step import ELEMENTWISE, mix_into
 from .stochastic_round import generator_for, to_bf16_stochastic
@@ -103,10 +103,6 @@ def stream_seed(*parts: int) -> int:
     for part in parts:
         value = (value * 1_000_003 + int(part)) % (1 << 63)
     return value
-
-
-def _local(x: torch.Tensor) -> torch.Tensor:
-    return x.to_local() if isinstance(x, DTensor) else x
 
 
 def _like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -203,7 +199,7 @@ class SixteenBitMoments:
         if self._numels is None:
             self._numels = {}
         if id(p) not in self._numels:  # parameters live as long as the optimizer
-            self._numels[id(p)] = _local(p).numel()
+            self._numels[id(p)] = local_part(p).numel()
         return self._numels[id(p)]
 
     def _buckets(self, stepped: list):
@@ -233,17 +229,17 @@ class SixteenBitMoments:
             if value is None or (value.dtype == torch.float32 and scale is None):
                 continue
             if value.dtype == torch.uint8:  # 8 bits: on the local shards whatever local_shards
-                local = _local(value)
+                local = local_part(value)
                 if self.moment_dtype == torch.uint8 and self._numel(p) <= KEEP_MAX:
-                    kept[id(p), key] = (value, local, absmax, _local(absmax))
-                wide = dequantize(local, _local(absmax), SIGNED[key])
+                    kept[id(p), key] = (value, local, absmax, local_part(absmax))
+                wide = dequantize(local, local_part(absmax), SIGNED[key])
                 state[key] = wide if self.local_shards else _like(wide, p)  # DTensor dispatch
                 continue
             if not self.local_shards:  # fairseq: exp_avg.float() * state["exp_avg_scale"]
                 wide = value.float()
                 state[key] = wide * scale if scale is not None else wide
                 continue
-            local = _local(value)
+            local = local_part(value)
             wide = local.float()
             if scale is not None:
                 wide.mul_(scale)
@@ -265,10 +261,10 @@ class SixteenBitMoments:
                     if not self.local_shards:  # fairseq: (exp_avg / scale).half()
                         state[key] = (value / scale).half()
                     elif old is not None:  # copy_ rounds to nearest, as half() does
-                        old[1].copy_(_local(value).div_(scale))
+                        old[1].copy_(local_part(value).div_(scale))
                         state[key] = old[0]
                     else:
-                        state[key] = _like(_local(value).div_(scale).half(), p)
+                        state[key] = _like(local_part(value).div_(scale).half(), p)
                     state[SCALE_KEYS[key]] = scale
         elif self.moment_dtype == torch.bfloat16:
             first_index, first = bucket[0]
@@ -276,7 +272,7 @@ class SixteenBitMoments:
             for _, p in bucket:
                 state = self.state[p]
                 for key in MOMENTS:
-                    local, old = _local(state[key]), kept.get((id(p), key))
+                    local, old = local_part(state[key]), kept.get((id(p), key))
                     if generator is None:  # one stream a bucket: its first parameter's place
                         generator = generator_for(local.device, stream_seed(
                             self.stats_seed, self.state[first]["step"], first_index,
@@ -305,7 +301,7 @@ class SixteenBitMoments:
             state = self.state[p]
             eight_bit = quantizable(p.shape) and _rows_sharded(p)
             for key in MOMENTS:
-                local = _local(state[key])
+                local = local_part(state[key])
                 if not eight_bit:
                     if not isinstance(state[key], DTensor):
                         state[key] = _like(local, p)
@@ -329,7 +325,7 @@ class SixteenBitMoments:
         if not self.local_shards:  # fairseq: torch.norm(t, inf), through DTensor dispatch
             peaks = torch.stack([_full(torch.norm(m, float("inf"))) for m in moments])
         else:
-            locals_ = [_local(m) for m in moments]
+            locals_ = [local_part(m) for m in moments]
             peaks = torch.stack([torch.norm(m, float("inf")) if m.numel() else
                                  m.new_zeros(()) for m in locals_])
             p = bucket[0][1]

@@ -5,14 +5,10 @@ next step."""
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from ..sharding.mesh import local_part
 from .adam_stats import ABSMAX_KEYS, MOMENTS, SCALE_KEYS
 from .blockwise_8bit import absmax_shape, rows_like
-
-
-def local_of(x: torch.Tensor) -> torch.Tensor:
-    return x.to_local() if isinstance(x, DTensor) else x
 
 
 def fit_to_saved(optimizer_state: dict, saved: dict, prefix: str = "optim.state.") -> None:
@@ -34,11 +30,11 @@ def fit_to_saved(optimizer_state: dict, saved: dict, prefix: str = "optim.state.
             if f"{prefix}{name}.{scale_key}" not in saved:
                 per_param.pop(scale_key, None)
             elif not torch.is_tensor(per_param.get(scale_key)):
-                per_param[scale_key] = torch.ones((), device=local_of(value).device)
+                per_param[scale_key] = torch.ones((), device=local_part(value).device)
             absmax_key = ABSMAX_KEYS[key]  # 8 bits: the block maxima, sharded like the rows
             if f"{prefix}{name}.{absmax_key}" not in saved:
                 per_param.pop(absmax_key, None)
             elif not torch.is_tensor(per_param.get(absmax_key)):
-                local = local_of(value)
+                local = local_part(value)
                 per_param[absmax_key] = rows_like(torch.zeros(
                     (local.shape[0], absmax_shape(value.shape)[1]), device=local.device), value)

@@ -1,4 +1,5 @@
-"""The device mesh the model is sharded over, and the device its collectives move."""
+"""The device mesh the model is sharded over, the device its collectives move, and a sharded
+tensor's part on this rank."""
 from __future__ import annotations
 
 from typing import Optional
@@ -6,6 +7,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 
 def build_mesh(device_type: str, world_size: int, replicate_degree: int = 1) -> DeviceMesh:
@@ -24,3 +26,9 @@ def comm_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
     if "nccl" in backend and "cpu:" not in backend:
         return torch.device("cuda")
     return torch.device("cpu")
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded tensor (a view: in-place changes reach the DTensor); a
+    plain tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -26,7 +26,6 @@ import torch
 import torch.nn as nn
 from fairseq.models.ema import EMA
 from omegaconf import open_dict
-from torch.distributed.tensor import DTensor
 
 from ..checkpoint import sharded
 from ..checkpoint.export import EMA_FP32_KEY, EMA_KEY
@@ -34,16 +33,12 @@ from ..checkpoint.full_state import copy_full_state
 from ..checkpoint.safe_load import read_checkpoint_file
 from ..errors import CheckpointError, OptionError
 from ..optimizer.mixed_precision import compute_dtype
+from ..sharding.mesh import local_part
 
 logger = logging.getLogger(__name__)
 
 #: fairseq keeps its --ema-update-freq counter in memory only; the plugin saves it here.
 COUNTER_KEY = "fsdp2_ema_update_freq_counter"
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a sharded tensor (a view: in-place changes reach the DTensor)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _averaged(key: str, tensor: torch.Tensor) -> bool:
@@ -99,8 +94,8 @@ class ShardedEMA(EMA):
         state = new_model.state_dict()
         for key, ema in self.params.items():
             if _averaged(key, ema):
-                weights = self._weights(_local(state[key]))
-                _local(ema).mul_(self.decay).add_(weights.to(self.dtype), alpha=1 - self.decay)
+                weights = self._weights(local_part(state[key]))
+                local_part(ema).mul_(self.decay).add_(weights.to(self.dtype), alpha=1 - self.decay)
 
     def restore(self, state_dict, build_fp32_params=False) -> list[str]:
         """Copy a full EMA that every rank holds (a stock checkpoint's) into the shards. Not
@@ -114,7 +109,7 @@ class ShardedEMA(EMA):
         state = model.state_dict()
         for key, ema in self.params.items():
             if _averaged(key, ema):
-                _local(state[key]).copy_(_local(ema))
+                local_part(state[key]).copy_(local_part(ema))
         return model
 
     def load_shards(self, checkpoint_file: str, saved: dict) -> None:

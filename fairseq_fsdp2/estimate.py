@@ -44,8 +44,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         print(format_summary(estimates))
     if args.fit_gb is not None:
-        for e in estimates:
-            print(largest_max_tokens(args, args.fit_gb, e.setup.world_size).line())
+        for fit in largest_max_tokens(args, args.fit_gb, [e.setup.world_size for e in estimates]):
+            print(fit.line())
     return 0
 
 

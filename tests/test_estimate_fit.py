@@ -28,11 +28,11 @@ def test_the_largest_max_tokens_fits_and_one_batch_more_does_not():
     three, four = predicted(3 * STEP), predicted(4 * STEP)
     assert three < four  # the logits and activations grow with the batch
     args = from_args.parse(ARGS)
-    fit = largest_max_tokens(args, (three + four) / 2, 2)
+    (fit,) = largest_max_tokens(args, (three + four) / 2, [2])
     assert (fit.max_tokens, fit.peak_gb, fit.capped) == (3 * STEP, three, False)
     assert "is 1536, predicted" in fit.line()
-    assert largest_max_tokens(args, predicted(STEP) - 1 / GIB, 2).max_tokens is None
-    top = largest_max_tokens(args, 1e6, 2)
+    assert largest_max_tokens(args, predicted(STEP) - 1 / GIB, [2])[0].max_tokens is None
+    (top,) = largest_max_tokens(args, 1e6, [2])
     assert top.max_tokens == MAX_STEPS * STEP and top.capped and "more may fit" in top.line()
 
 

@@ -122,13 +122,10 @@ def predicted_gib(table: Table, row: Row) -> tuple[float, ...]:
 @functools.cache
 def fitted(table: Table, row: Row) -> tuple[str, ...]:
     """Each world size's largest --max-tokens that fits table.fit_gb, with its predicted peak."""
-    args = parse(table.command(row))
-    cells = []
-    for world in table.world_sizes:
-        fit = largest_max_tokens(args, table.fit_gb, world)
-        cells.append("none" if fit.max_tokens is None else
-                     f"{fit.max_tokens}{'+' if fit.capped else ''} ({fit.peak_gb:.2f} GiB)")
-    return tuple(cells)
+    fits = largest_max_tokens(parse(table.command(row)), table.fit_gb, table.world_sizes)
+    return tuple("none" if fit.max_tokens is None else
+                 f"{fit.max_tokens}{'+' if fit.capped else ''} ({fit.peak_gb:.2f} GiB)"
+                 for fit in fits)
 
 
 def render(table: Table) -> str:

@@ -39,26 +39,35 @@ class Fit:
                 f"{self.peak_gb:.2f} GiB")
 
 
-def largest_max_tokens(args, budget_gb: float, world_size: int) -> Fit:
-    """Bisection over the --max-tokens values that give different batches (module docstring)."""
+def largest_max_tokens(args, budget_gb: float, world_sizes) -> list[Fit]:
+    """For each of ``world_sizes``, bisection over the --max-tokens values that give different
+    batches (module docstring). The profile of a batch (one trace) does not depend on the world
+    size: each is made once for all of them."""
     step = args.seq_len * max(int(getattr(args, "required_batch_size_multiple", 8) or 1), 1)
     model = build_meta_model(args)
-    setup = setup_for(args, world_size)
-    peaks: dict[int, float] = {}
+    profiles = {}
 
-    def peak(k: int) -> float:
-        if k not in peaks:
+    def profile(k: int):
+        if k not in profiles:
             trial = copy.copy(args)
             trial.max_tokens = k * step
-            peaks[k] = estimate(profile_for(trial, model), setup).peak_gb
-        return peaks[k]
+            profiles[k] = profile_for(trial, model)
+        return profiles[k]
 
-    if peak(1) > budget_gb:
-        return Fit(world_size, budget_gb, None, None, False)
-    low, high = 1, MAX_STEPS  # peak(low) fits
-    if peak(high) <= budget_gb:
-        return Fit(world_size, budget_gb, high * step, peak(high), True)
-    while high - low > 1:  # peak(high) does not fit
-        middle = (low + high) // 2
-        low, high = (middle, high) if peak(middle) <= budget_gb else (low, middle)
-    return Fit(world_size, budget_gb, low * step, peak(low), False)
+    def search(world_size: int) -> Fit:
+        setup = setup_for(args, world_size)
+
+        def peak(k: int) -> float:
+            return estimate(profile(k), setup).peak_gb
+
+        if peak(1) > budget_gb:
+            return Fit(world_size, budget_gb, None, None, False)
+        low, high = 1, MAX_STEPS  # peak(low) fits
+        if peak(high) <= budget_gb:
+            return Fit(world_size, budget_gb, high * step, peak(high), True)
+        while high - low > 1:  # peak(high) does not fit
+            middle = (low + high) // 2
+            low, high = (middle, high) if peak(middle) <= budget_gb else (low, middle)
+        return Fit(world_size, budget_gb, low * step, peak(low), False)
+
+    return [search(w) for w in world_sizes]

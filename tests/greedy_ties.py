@@ -25,15 +25,16 @@ from fairseq import checkpoint_utils, metrics, utils
 from numerics import FP32_REORDERED, U32
 
 
-def checkpoint_at(save_dir: Path, update: int) -> Path:
-    """The checkpoint file a run saved at ``update`` (validation comes right before the save)."""
+def checkpoints_by_update(save_dir: Path) -> dict[int, Path]:
+    """The checkpoint files a run saved (interval and epoch saves), by the update each holds
+    (validation comes right before the save)."""
+    found = {}
     for path in sorted(save_dir.glob("checkpoint*.pt")):
         if "best" in path.name or "last" in path.name or "consolidated" in path.name:
             continue
         state = torch.load(path, map_location="cpu", weights_only=True)
-        if state["optimizer_history"][-1]["num_updates"] == update:
-            return path
-    raise AssertionError(f"no checkpoint of update {update} in {save_dir}")
+        found[state["optimizer_history"][-1]["num_updates"]] = path
+    return found
 
 
 class Replay:

@@ -39,13 +39,16 @@ def near_ties(validation) -> dict[int, list[str]]:
     """Each validation point (update) -> the sentences the two runs' saved weights decode
     otherwise, each a near tie (tests/greedy_ties.py). The replays reproduce the BLEU each run
     logged there, so these are the decodings the runs scored."""
-    from greedy_ties import Replay, checkpoint_at, divergences
+    from greedy_ties import Replay, checkpoints_by_update, divergences
+    saved = {label: checkpoints_by_update(validation.save_dir(label))
+             for label in ("fsdp2", "stock")}
     ties = {}
     for a, b in zip(valid_records(validation.fsdp2), valid_records(validation.stock)):
         n = int(a["valid_num_updates"])
         replays = {}
         for label, record in (("fsdp2", a), ("stock", b)):
-            replays[label] = Replay(checkpoint_at(validation.save_dir(label), n))
+            assert n in saved[label], (label, n, sorted(saved[label]))
+            replays[label] = Replay(saved[label][n])
             # fairseq logs BLEU rounded to 2 decimals
             assert abs(replays[label].bleu - float(record["valid_bleu"])) <= 0.005 + 1e-9, \
                 (label, n, replays[label].bleu, record)

@@ -147,7 +147,7 @@ SGD = ["--optimizer", "sgd", "--lr", SGD_LR]
 @pytest.mark.slow
 def test_consolidated_export_equals_stock_ddp_and_stock_generate_reads_it(saved_run, corpus,
                                                                            tmp_path):
-    root, args, _ = saved_run
+    _, args, _ = saved_run
     # the saved run's command line with plain SGD: FSDP2 (whose export is tested) and fairseq's
     # own 2-rank DDP training of the same model on the same batches
     run, ddp_dir = tmp_path / "sgd", tmp_path / "ddp"

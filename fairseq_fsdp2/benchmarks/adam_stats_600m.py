@@ -20,8 +20,8 @@ import re
 import time
 from pathlib import Path
 
-from .harness import (NLLB_600M, SEQ, launch, measured_or_saved, replace_section, train_args,
-                      versions)
+from .harness import (NLLB_600M, SEQ, launch, measured_or_saved, predicted, replace_section,
+                      stop_if_a_rank_failed, train_args, versions)
 from .nllb600m import RECIPE_CHUNK, recipe
 
 BEGIN, END = "<!-- adam-stats-600m: begin -->", "<!-- adam-stats-600m: end -->"
@@ -41,15 +41,11 @@ def command(data: Path, work: Path, args, flags: list[str]) -> list[str]:
 
 
 def measure_setting(data: Path, work: Path, args, flags: list[str]) -> dict:
-    from ..estimator import from_args
     train = command(data, work, args, flags)
-    (prediction,) = from_args.estimates(from_args.parse(
-        train + ["--world-size", str(args.ranks), "--seq-len", str(SEQ)]))
+    prediction = predicted(train, args.ranks)
     t0 = time.time()
     results = launch(args.ranks, lambda rank: train, args.timeout, wrapper=TIME)
-    if any(rc != 0 for rc, _ in results):
-        rc, out = next((rc, out) for rc, out in results if rc != 0)
-        raise SystemExit(f"a rank exited {rc}:\n{out[-4000:]}")
+    stop_if_a_rank_failed(results)
     peaks = []
     for _, out in results:
         found = RSS.findall(out)

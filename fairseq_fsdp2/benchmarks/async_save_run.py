@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 from ..estimator.from_args import build_meta_model, parse
-from .harness import (launch, measured_or_saved, parse_records, replace_section, train_args,
-                      versions)
+from .harness import (launch, measured_or_saved, parse_records, replace_section,
+                      stop_if_a_rank_failed, train_args, versions)
 
 BEGIN, END = "<!-- async-save: begin -->", "<!-- async-save: end -->"
 ASYNC = "--write-checkpoints-asynchronously"
@@ -62,9 +62,7 @@ def run(name: str, data: Path, work: Path, args, background: bool) -> dict:
     results = launch(args.ranks, lambda rank: flags, args.timeout,
                      preload=[TIMERS])
     wall = time.time() - t0
-    if any(rc != 0 for rc, _ in results):
-        rc, out = next((rc, out) for rc, out in results if rc != 0)
-        raise SystemExit(f"{name}: a rank exited {rc}:\n{out[-4000:]}")
+    stop_if_a_rank_failed(results, name)
     lines = {kind: [json.loads(line[5:]) for _, out in results for line in out.splitlines()
                     if line.startswith(kind + " ")] for kind in ("SAVE", "STEP")}
     # the end of training's wait: each rank's last WAIT line, after its last save

@@ -116,6 +116,27 @@ def launch(world: int, args_of_rank: Callable[[int], list[str]], timeout: float,
     return results
 
 
+def failed_rank(results: list[tuple[int, str]]) -> Optional[tuple[int, str]]:
+    """The (returncode, output) of the first rank of ``launch``'s results that did not exit 0."""
+    return next(((rc, out) for rc, out in results if rc != 0), None)
+
+
+def stop_if_a_rank_failed(results: list[tuple[int, str]], name: str = "") -> None:
+    """Stop the benchmark with the failed rank's exit code and the end of its output."""
+    failed = failed_rank(results)
+    if failed is not None:
+        rc, out = failed
+        raise SystemExit(f"{name + ': ' if name else ''}a rank exited {rc}:\n{out[-4000:]}")
+
+
+def predicted(train: list[str], world: int):
+    """The estimator's prediction (estimator.peak.Estimate) for fairseq-train's arguments
+    ``train`` on ``world`` ranks, with the synthetic corpus's sentence length."""
+    from ..estimator.from_args import estimates, parse
+    (prediction,) = estimates(parse(train + ["--world-size", str(world), "--seq-len", str(SEQ)]))
+    return prediction
+
+
 def worker(argv: list[str]) -> None:
     """Run fairseq-train; the stock Trainer gets the same per-rank memory log as FSDP2's."""
     import fairseq_cli.train

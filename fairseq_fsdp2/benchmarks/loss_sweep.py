@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from .harness import (PLUGIN, REDUCED, SEQ, launch, make_corpus, parse_records, ratio,
-                      replace_section, train_args, versions)
+from .harness import (PLUGIN, REDUCED, SEQ, failed_rank, launch, make_corpus, parse_records,
+                      predicted, ratio, replace_section, train_args, versions)
 
 BEGIN, END = "<!-- loss sweep: begin -->", "<!-- loss sweep: end -->"
 BASE = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", "--fsdp2-root-reshard", "always"]
@@ -47,10 +47,7 @@ def run(name: str, flags: list[str], world: int, data: Path, work: Path, args, p
                        work / "unused") + ["--user-dir", plugin]
     row = {"config": name, "world_size": world}
     if plugin == PLUGIN:
-        from ..estimator.from_args import estimates, parse
-        (prediction,) = estimates(parse(train + ["--world-size", str(world),
-                                                 "--seq-len", str(SEQ)]))
-        row["predicted_gb"] = round(prediction.peak_gb, 3)
+        row["predicted_gb"] = round(predicted(train, world).peak_gb, 3)
     env = {"PYTHONPATH": os.pathsep.join([str(Path(plugin).parent), str(probe.parent)]),
            "COUNT_UPDATE": str(args.updates)}  # the last update: not in the medians
     saved = {k: os.environ.get(k) for k in env}
@@ -66,8 +63,9 @@ def run(name: str, flags: list[str], world: int, data: Path, work: Path, args, p
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     row["wall_s"] = round(time.time() - t0, 1)
-    if any(rc != 0 for rc, _ in results):
-        rc, out = next((rc, out) for rc, out in results if rc != 0)
+    failed = failed_rank(results)
+    if failed is not None:
+        rc, out = failed
         row["error"] = f"exit {rc}"
         print(f"  FAILED {name} x {world}\n{out[-3000:]}", flush=True)
         return row

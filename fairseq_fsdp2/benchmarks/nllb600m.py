@@ -17,8 +17,8 @@ import os
 import time
 from pathlib import Path
 
-from .harness import (NLLB_600M, SEQ, launch, measured_or_saved, parse_records,
-                      replace_section, train_args, versions)
+from .harness import (NLLB_600M, SEQ, launch, measured_or_saved, parse_records, predicted,
+                      replace_section, stop_if_a_rank_failed, train_args, versions)
 
 BEGIN, END = "<!-- nllb-600m: begin -->", "<!-- nllb-600m: end -->"
 RECIPE_CHUNK = 256  # scripts/finetune_nllb.sh's --loss-chunk-tokens default
@@ -51,8 +51,7 @@ def run(data: Path, work: Path, args) -> dict:
     from ..estimator import from_args
     train = train_args(data, NLLB_600M, recipe(args.chunk), args.max_tokens,
                        args.updates, work / "unused")
-    (prediction,) = from_args.estimates(from_args.parse(
-        train + ["--world-size", str(args.ranks), "--seq-len", str(SEQ)]))
+    prediction = predicted(train, args.ranks)
     model = from_args.build_meta_model(from_args.parse(train))
     row = {"ranks": args.ranks, "max_tokens": args.max_tokens, "chunk": args.chunk,
            "predicted_gb": round(prediction.peak_gb, 3),
@@ -64,9 +63,7 @@ def run(data: Path, work: Path, args) -> dict:
     t0 = time.time()
     results = launch(args.ranks, lambda rank: train, args.timeout)
     row["wall_s"] = round(time.time() - t0, 1)
-    if any(rc != 0 for rc, _ in results):
-        rc, out = next((rc, out) for rc, out in results if rc != 0)
-        raise SystemExit(f"a rank exited {rc}:\n{out[-4000:]}")
+    stop_if_a_rank_failed(results)
     records = [r for r in parse_records(results[0][1]) if int(r["num_updates"]) >= 2]
     row["peak_gb"] = max(float(r["mem_peak_gb_max"]) for r in records)
     row["peaks_gb"] = [float(r["mem_peak_gb_max"]) for r in records]

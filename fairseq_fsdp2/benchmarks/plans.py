@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from .harness import (NLLB_600M, NLLB_VOCAB, REDUCED, SEQ, available_gb, launch, make_corpus,
-                      parse_records, rank_args, ratio, train_args, versions)
+                      parse_records, predicted, rank_args, ratio, train_args, versions)
 
 CONFIGS = {
     "legacy_ddp": ["--ddp-backend", "legacy_ddp"],
@@ -47,10 +47,8 @@ KEEP_FROM = "<!-- loss sweep: begin -->"
 def run_one(name: str, model_name: str, model: list[str], config: list[str], world: int,
             data: Path, work: Path, max_tokens: int, updates: int, timeout: float) -> dict:
     """Predict, then (where it fits) measure one configuration at one world size: a row."""
-    from ..estimator.from_args import estimates, parse
-
     args = train_args(data, model, config, max_tokens, updates, work / "runs" / "unused")
-    (prediction,) = estimates(parse(args + ["--world-size", str(world), "--seq-len", str(SEQ)]))
+    prediction = predicted(args, world)
     row = {"model": model_name, "config": name, "world_size": world,
            "predicted_gb": round(prediction.peak_gb, 3), "peak_gb": None, "wps": None,
            "predicted_moment": prediction.classes[0].moment}

@@ -1,6 +1,7 @@
 """Errors the plugin reports as one line (``fairseq_fsdp2: error: ...``), without a traceback
 unless FAIRSEQ_FSDP2_DEBUG=1: exit status 2 for bad input (stopped before any work), 1 for a
-failure during training (see TrainingStopped)."""
+failure during training (see TrainingStopped). Raised to the caller where the plugin does not own
+the process (launch/cli.py)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -14,9 +15,12 @@ def first_line(error: BaseException, limit: Optional[int] = 200) -> str:
 
 
 class FSDP2Error(Exception):
-    """Base class: something the user can fix."""
+    """Base class: something the user can fix. ``exit_status``: the status a training command
+    ends with when it reports the error (a program that trains in-process catches it);
+    ``reported``: its line was printed already (by the rank process that failed)."""
 
     exit_status = 2
+    reported = False
 
 
 class OptionError(FSDP2Error, ValueError):
@@ -42,6 +46,21 @@ class RankLostError(TrainingStopped):
 class SaveFailed(TrainingStopped):
     """Writing a checkpoint failed (disk full, unwritable directory); the previous ones are
     intact."""
+
+
+class ExportFailed(TrainingStopped):
+    """Training finished, but the consolidated export at its end failed; the sharded
+    checkpoints are intact."""
+
+
+class RanksFailed(TrainingStopped):
+    """A rank the plugin started (spawn.py) failed; it reported its own error."""
+
+    reported = True
+
+    def __init__(self, message: str, exit_status: int):
+        super().__init__(message)
+        self.exit_status = exit_status
 
 
 class OutOfMemory(TrainingStopped):

@@ -16,15 +16,32 @@ calls ``distributed_utils.call_main(cfg, fairseq_cli.train.main)``, which the pl
 ``fairseq_cli.train.main`` looks up the ``Trainer`` name the plugin rebinds.
 
 It also accepts legacy (argparse-only) tasks and architectures in a hydra config, such as
-``translation_multi_simple_epoch`` (integration/hydra_config.py).
+``translation_multi_simple_epoch`` (integration/hydra_config.py), and gives hydra each job's
+best validation score (``--multirun`` sweepers such as Optuna or Ax read it; fairseq's own
+``hydra_main`` computes it and drops it).
 """
 from __future__ import annotations
 
+import os
 import sys
+
+import fairseq
+import hydra
 
 from .integration.hydra_config import (PROG, HydraConfigError, add_defaults_or_exit,
                                        check_fixed_group_overrides)
-from .integration.registration import install_hydra_add_defaults
+from .integration.registration import install_hydra_add_defaults, install_hydra_main
+
+
+#: fairseq's own config directory, where fairseq's hydra main looks for config.yaml
+FAIRSEQ_CONFIG = os.path.join(os.path.dirname(fairseq.__file__), "config")
+
+
+def hydra_main(cfg) -> float:
+    """One hydra job: fairseq's hydra main, whose result (the best validation score; inf
+    without validation) goes back to hydra."""
+    from fairseq_cli import hydra_train
+    return hydra_train._hydra_main(cfg)  # fairseq's; its public hydra_main returns None
 
 
 def cli_main() -> None:
@@ -36,6 +53,9 @@ def cli_main() -> None:
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     install_hydra_add_defaults(add_defaults_or_exit)
+    # fairseq's decorator, less its missing version_base (hydra's 1.1 defaults, as fairseq gets)
+    install_hydra_main(hydra.main(config_path=FAIRSEQ_CONFIG, config_name="config",
+                                  version_base="1.1")(hydra_main))
     hydra_train.cli_main()
 
 

@@ -243,26 +243,28 @@ def run_ranks(nproc: int, args: Callable[[int], Sequence[str]], *, timeout: floa
                                     torchrun_env=torchrun_env), timeout)
 
 
-def start_command(module: str, *args, input: Optional[str] = None) -> Forked:
+def start_command(module: str, *args, input: Optional[str] = None,
+                  env: Optional[dict] = None) -> Forked:
     """Start ``python -m module args`` as one plain process (no torchrun environment), forked
     from the pre-imported server: for fairseq's other commands (generate, interactive) and the
     plugin's (consolidate). A module the server did not import (the plugin: fairseq-generate
     without --user-dir never sees it) is imported by the child, as on the command line.
-    ``input``: text on its stdin. Its stdout and stderr go, together, to its output."""
+    ``input``: text on its stdin; ``env``: extra variables. Its stdout and stderr go, together,
+    to its output."""
     logs = tempfile.mkdtemp(prefix="command-")
     stdin = None
     if input is not None:
         stdin = os.path.join(logs, "stdin")
         with open(stdin, "w") as f:
             f.write(input)
-    return fork_server().start(module, [str(a) for a in args], base_env(),
+    return fork_server().start(module, [str(a) for a in args], base_env(env),
                                os.path.join(logs, "out.log"), stdin)
 
 
-def run_command(module: str, *args, input: Optional[str] = None,
+def run_command(module: str, *args, input: Optional[str] = None, env: Optional[dict] = None,
                 timeout: float = 240) -> RankResult:
     """start_command, waited for (killed after ``timeout``)."""
-    (result,) = finish_ranks([start_command(module, *args, input=input)], timeout)
+    (result,) = finish_ranks([start_command(module, *args, input=input, env=env)], timeout)
     return result
 
 

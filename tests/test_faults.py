@@ -219,11 +219,11 @@ def test_nan_loss_and_out_of_memory_stop_naming_update_and_rank(train_args, tmp_
 
 
 def test_three_short_runs_exit_cleanly(train_args):
-    """gloo with a device mesh aborts at interpreter exit in about half of CPU runs (platform
-    notes); the plugin's shutdown path must make every successful run exit 0. 3 runs are 6
-    process exits: without the fix all would pass with probability about 2^-6, and every other
-    FSDP2 run of the suite (over a hundred rank exits, each checked for status 0) multiplies
-    that by another half per exit."""
+    """Every successful run ends through the interpreter's own exit (no os._exit), so the end
+    of a run must leave nothing that aborts it: the heartbeat thread, left running as a daemon
+    inside a store call, aborted the exit (std::terminate: docs/architecture.md, "The end of a
+    run"); the run context stops and joins it. 3 runs of 2 ranks are 6 process exits, and every
+    other multi-rank run of the suite checks its ranks' status too."""
     args = train_args("--ddp-backend", "fsdp2", "--num-workers", "0", updates=1)
     codes = []
     for attempt in range(3):

@@ -22,7 +22,7 @@ def install() -> None:
 
     rank = int(os.environ["RANK"])
     waited = {"s": 0.0, "staging": 0.0}
-    real_save, real_wait = checkpoint_utils.save_checkpoint, async_save.wait_pending
+    real_save, real_wait = checkpoint_utils.save_checkpoint, async_save.BackgroundSaves.wait_pending
     real_staging_wait = async_save.ShardStager.wait
 
     def staging_wait(self):  # the optimizer step's wait for the staging copy
@@ -30,9 +30,9 @@ def install() -> None:
         real_staging_wait(self)
         waited["staging"] += time.perf_counter() - t0
 
-    def wait_pending():
+    def wait_pending(self):
         t0 = time.perf_counter()
-        real_wait()
+        real_wait(self)
         waited["s"] += time.perf_counter() - t0
         print("WAIT " + json.dumps({"rank": rank, "s": time.perf_counter() - t0}), flush=True)
 
@@ -59,7 +59,7 @@ def install() -> None:
 
     Trainer.train_step = train_step  # FSDP2Trainer calls it through super()
     checkpoint_utils.save_checkpoint = save_checkpoint
-    async_save.wait_pending = wait_pending
+    async_save.BackgroundSaves.wait_pending = wait_pending
     async_save.ShardStager.wait = staging_wait
 
 

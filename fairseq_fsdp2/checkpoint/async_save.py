@@ -21,7 +21,7 @@ collectives (its plan, the gathering of write results); on the training group th
 interleave with FSDP2's all-gathers and reduce-scatters from the main thread. DCP's
 asynchronous save needs a CPU backend for them in any case (NCCL runs FSDP2 on GPUs).
 
-Why fairseq's own flag is switched off (``launch/run.py``): fairseq would write its file with
+Why fairseq's own flag is switched off (``launch/setup.py``): fairseq would write its file with
 iopath's asynchronous writer (which leaves files torch cannot read back), would skip the copy to
 ``checkpoint_last.pt``, and would not train at all without iopath installed.
 """
@@ -49,23 +49,6 @@ from ..errors import SaveFailed, first_line
 from . import sharded
 
 logger = logging.getLogger(__name__)
-
-_enabled = False
-_pending: Optional["PendingSave"] = None  # this process's save in flight
-_group: Optional[dist.ProcessGroup] = None  # the background saves' collectives
-_stager: Optional["ShardStager"] = None  # its copies are reused from save to save
-_guarded: set[int] = set()  # the optimizers whose step waits for the staging copy
-
-
-def enable() -> None:
-    """Checkpoints of this run are written in the background (launch/run.py, on each rank)."""
-    global _enabled
-    _enabled = True
-
-
-def enabled() -> bool:
-    return _enabled
-
 
 def describe_failure(error: BaseException) -> str:
     """What a failed save reports; for DCP's CheckpointException, which wraps each rank's
@@ -142,7 +125,12 @@ class ShardStager(AsyncStager):
         return buffer
 
     def close(self) -> None:
-        pass
+        pass  # AsyncStager's hook for DCP: the copies are kept for the next save
+
+    def shut_down(self) -> None:
+        """The run's end: the copier thread finishes its copy and ends."""
+        self._copier.shutdown(wait=True)
+        self._buffers = {}
 
 
 def _fill(copies: list[tuple[torch.Tensor, torch.Tensor]], staged):
@@ -150,12 +138,6 @@ def _fill(copies: list[tuple[torch.Tensor, torch.Tensor]], staged):
         for buffer, source in copies:
             buffer.copy_(source)
     return staged
-
-
-def _wait_for_staging(optimizer, args, kwargs) -> None:
-    """Step pre-hook: the staging copy first (the step changes what it copies)."""
-    if _stager is not None:
-        _stager.wait()
 
 
 class PendingSave:
@@ -232,60 +214,85 @@ class PendingSave:
             self._error = e
 
 
-def start(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], save_dir: str,
-          update: int, stepping: torch.optim.Optimizer,
-          timeout: Optional[timedelta] = None, extra: Optional[dict] = None) -> str:
-    """Every rank, after ``wait_pending``: stage this rank's shards and write them in the
-    background; returns the shard directory (relative to save_dir) that the files will name.
-    ``optimizer``: whose state is saved (None: none); ``stepping``: the optimizer whose next
-    step waits for the staging copy. ``timeout``: the background collectives'
-    (--heartbeat-timeout), set when the first save creates their process group. ``extra``:
-    more entries for the shards (the EMA's, written as staged: fairseq updates the EMA after
-    the optimizer step, which waits for the staging copy)."""
-    global _group, _pending, _stager
-    if _pending is not None:
-        raise RuntimeError("a background save is still pending: wait_pending() first")
-    if _group is None:  # every rank is here (a save point): a collective call
-        _group = dist.new_group(backend="gloo", timeout=timeout)
-        _stager = ShardStager()
-    if id(stepping) not in _guarded:
-        stepping.register_step_pre_hook(_wait_for_staging)
-        _guarded.add(id(stepping))
-    rel = sharded.new_shard_dir(update)
-    _pending = PendingSave(update, save_dir, rel, is_writer=dist.get_rank() == 0)
-    try:
-        shards = dcp.async_save(sharded.state_to_save(model, optimizer, extra),
-                                checkpoint_id=os.path.join(save_dir, rel) + ".tmp",
-                                process_group=_group, async_stager=_stager).upload_completion
-    except BaseException as e:  # e.g. staging ran out of memory: reported now, as a sync save
-        failed: Future = Future()
-        failed.set_exception(e)
-        _pending.shards_done(failed)
-        raise
-    shards.add_done_callback(_pending.shards_done)
-    return rel
+class BackgroundSaves:
+    """One run's background saves (``--write-checkpoints-asynchronously``), owned by its run
+    context (launch/run_context.py), which closes it when the run ends: the save in flight,
+    the process group of their collectives and the staging copies, reused from save to save."""
 
+    def __init__(self) -> None:
+        self._pending: Optional[PendingSave] = None  # the save in flight
+        self._group: Optional[dist.ProcessGroup] = None  # the background saves' collectives
+        self._stager: Optional[ShardStager] = None  # its copies are reused from save to save
+        self._hooks: dict[int, object] = {}  # the optimizers whose step waits for the staging
 
-def add_file(filename: str, state: dict) -> None:
-    """Rank 0: a fairseq checkpoint file of the pending save, written (a snapshot of
-    ``state``, taken now) once its shards are complete."""
-    if _pending is None:
-        raise RuntimeError("a checkpoint file without a pending background save")
-    _pending.add_file(filename, copy.deepcopy(state))
+    def start(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+              save_dir: str, update: int, stepping: torch.optim.Optimizer,
+              timeout: Optional[timedelta] = None, extra: Optional[dict] = None) -> str:
+        """Every rank, after ``wait_pending``: stage this rank's shards and write them in the
+        background; returns the shard directory (relative to save_dir) that the files will
+        name. ``optimizer``: whose state is saved (None: none); ``stepping``: the optimizer
+        whose next step waits for the staging copy. ``timeout``: the background collectives'
+        (--heartbeat-timeout), set when the first save creates their process group. ``extra``:
+        more entries for the shards (the EMA's, written as staged: fairseq updates the EMA
+        after the optimizer step, which waits for the staging copy)."""
+        if self._pending is not None:
+            raise RuntimeError("a background save is still pending: wait_pending() first")
+        if self._group is None:  # every rank is here (a save point): a collective call
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
+            self._stager = ShardStager()
+        if id(stepping) not in self._hooks:
+            self._hooks[id(stepping)] = stepping.register_step_pre_hook(self._wait_for_staging)
+        rel = sharded.new_shard_dir(update)
+        self._pending = PendingSave(update, save_dir, rel, is_writer=dist.get_rank() == 0)
+        try:
+            shards = dcp.async_save(sharded.state_to_save(model, optimizer, extra),
+                                    checkpoint_id=os.path.join(save_dir, rel) + ".tmp",
+                                    process_group=self._group,
+                                    async_stager=self._stager).upload_completion
+        except BaseException as e:  # e.g. staging ran out of memory: reported now, as a sync save
+            failed: Future = Future()
+            failed.set_exception(e)
+            self._pending.shards_done(failed)
+            raise
+        shards.add_done_callback(self._pending.shards_done)
+        return rel
 
+    def add_file(self, filename: str, state: dict) -> None:
+        """Rank 0: a fairseq checkpoint file of the pending save, written (a snapshot of
+        ``state``, taken now) once its shards are complete."""
+        if self._pending is None:
+            raise RuntimeError("a checkpoint file without a pending background save")
+        self._pending.add_file(filename, copy.deepcopy(state))
 
-def wait_pending() -> None:
-    """Wait for this process's pending save, if any (next save point, end of training)."""
-    global _pending
-    pending, _pending = _pending, None
-    if pending is not None:
-        pending.wait()
+    def wait_pending(self) -> None:
+        """Wait for the pending save, if any (next save point, end of training); raises
+        SaveFailed if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
 
+    def defer_copy(self, src_path: str, dst_path: str) -> bool:
+        """fairseq's PathManager.copy (integration/registration.py): True if ``src_path`` is a
+        file the pending save has not written yet; the copy is then written with it."""
+        return self._pending is not None and self._pending.defer_copy(src_path, dst_path)
 
-def copy_when_written(copy_file: Callable[..., bool], src_path: str, dst_path: str,
-                      overwrite: bool = False) -> bool:
-    """fairseq's PathManager.copy (integration/registration.py): a copy of a file the pending
-    save has not written yet is written with it instead."""
-    if _pending is not None and _pending.defer_copy(src_path, dst_path):
-        return True
-    return copy_file(src_path, dst_path, overwrite=overwrite)
+    def close(self) -> None:
+        """The end of the run (after ``wait_pending``, or after a failure): no step waits for
+        staging any more, the staging thread ends, and the saves' process group is destroyed.
+        A save still in flight after a failure is abandoned (its directory stays ``.tmp``, never
+        named by a checkpoint file)."""
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
+        if self._stager is not None:
+            self._stager.shut_down()
+            self._stager = None
+        if self._group is not None and dist.is_initialized():
+            dist.destroy_process_group(self._group)
+        self._group = None
+        self._pending = None
+
+    def _wait_for_staging(self, optimizer, args, kwargs) -> None:
+        """Step pre-hook: the staging copy first (the step changes what it copies)."""
+        if self._stager is not None:
+            self._stager.wait()

@@ -19,10 +19,9 @@ import fairseq_cli.train
 from fairseq.dataclass import configs as fairseq_configs
 from hydra.core.config_store import ConfigStore
 
-from ..checkpoint import async_save
 from ..checkpoint.export import read_with_full_weights
 from ..checkpoint.safe_load import allow_fairseq_checkpoint_classes
-from ..launch import run as launch
+from ..launch import cli, lifecycle, run_context
 from ..options import FSDP2DistributedTrainingConfig
 from ..sharding import meta_build
 from ..trainer.fsdp2_trainer import select_trainer
@@ -62,11 +61,11 @@ def install() -> None:
         main_module.Trainer = select_trainer
 
     # 3. Launch: fairseq_cli.train and hydra_train start through distributed_utils.call_main;
-    #    wrap it to set up torchrun/single-process/gloo launches, check options first, and exit
-    #    cleanly (see launch/run.py).
+    #    wrap it to set up torchrun/single-process/gloo launches, check options first, tear the
+    #    run down when it ends and report failures (launch/lifecycle.py).
     original = fairseq_distributed_utils.call_main
     fairseq_distributed_utils.call_main = functools.wraps(original)(
-        functools.partial(launch.call_main, original))
+        functools.partial(lifecycle.call_main, original))
 
     # 4. Loading: fairseq calls torch.load with torch's default weights_only=True, which refuses
     #    the argparse.Namespace fairseq pickles. Allow-list it (never switch the safety off).
@@ -75,7 +74,7 @@ def install() -> None:
     # 5. Parsing: fairseq turns --bf16 into --tpu, so `--fp16 --bf16` fails with "Cannot
     #    combine --fp16 and --tpu" and a traceback; FSDP2 runs get the real reason in one line.
     fairseq.options.parse_args_and_arch = functools.wraps(fairseq.options.parse_args_and_arch)(
-        functools.partial(launch.parse_args_and_arch, fairseq.options.parse_args_and_arch))
+        functools.partial(cli.parse_args_and_arch, fairseq.options.parse_args_and_arch))
 
     # 6. Model construction: fairseq builds the full model, randomly initialised, on every
     #    rank; for FSDP2 runs that load their weights it is built on the meta device instead
@@ -83,11 +82,15 @@ def install() -> None:
     for task_class in (fairseq.tasks.FairseqTask, fairseq.tasks.LegacyFairseqTask):
         task_class.build_model = _meta_aware(task_class.build_model)
 
-    # 7. Saving: fairseq writes a checkpoint atomically (temp file, then rename) but then copies
-    #    it over checkpoint_last.pt / checkpoint_best.pt in place, so a kill during the copy
-    #    leaves a truncated file where the previous good one was. Copy to a temp name and rename.
+    # 7. Saving, in FSDP2 runs (other backends copy as stock fairseq does): fairseq writes a
+    #    checkpoint atomically (temp file, then rename) but then copies it over
+    #    checkpoint_last.pt / checkpoint_best.pt in place, so a kill during the copy leaves a
+    #    truncated file where the previous good one was: copy to a temp name and rename. And
+    #    with --write-checkpoints-asynchronously (checkpoint/async_save.py) fairseq's first
+    #    file is written only once its shards are complete, so a copy of it asked for before
+    #    then is written with it instead.
     fairseq.file_io.PathManager.copy = staticmethod(
-        functools.partial(_atomic_copy, fairseq.file_io.PathManager.copy))
+        functools.partial(_copy_in_fsdp2_runs, fairseq.file_io.PathManager.copy))
 
     # 8. Reading for inference: fairseq-generate, -validate, -interactive and fairseq's other
     #    readers of a checkpoint file go through load_checkpoint_to_cpu; an FSDP2 checkpoint's
@@ -98,24 +101,22 @@ def install() -> None:
         fairseq.checkpoint_utils.load_checkpoint_to_cpu)(functools.partial(
             read_with_full_weights, fairseq.checkpoint_utils.load_checkpoint_to_cpu))
 
-    # 9. Saving in the background (--write-checkpoints-asynchronously, checkpoint/async_save.py):
-    #    fairseq writes its first checkpoint file and then copies it to checkpoint_last.pt and
-    #    the others; the first is written only once its shards are complete, so a copy of it
-    #    made before then is written with it instead.
-    fairseq.file_io.PathManager.copy = staticmethod(
-        functools.partial(async_save.copy_when_written, fairseq.file_io.PathManager.copy))
-
 
 def _meta_aware(fairseq_build_model):
     @functools.wraps(fairseq_build_model)
     def build_model(task, cfg, *args, **kwargs):
-        return meta_build.build_model(fairseq_build_model, task, cfg, *args, **kwargs)
+        run = run_context.current()
+        return meta_build.build_model(fairseq_build_model, task, cfg, *args,
+                                      on_meta=run is not None and run.builds_on_meta, **kwargs)
     return build_model
 
 
-def _atomic_copy(copy, src_path: str, dst_path: str, overwrite: bool = False) -> bool:
-    if "://" in dst_path:  # a remote store (iopath handler): leave it to the handler
+def _copy_in_fsdp2_runs(copy, src_path: str, dst_path: str, overwrite: bool = False) -> bool:
+    run = run_context.current()
+    if run is None or "://" in dst_path:  # not an FSDP2 run, or a remote store (iopath's)
         return copy(src_path, dst_path, overwrite=overwrite)
+    if run.saves is not None and run.saves.defer_copy(src_path, dst_path):
+        return True
     tmp = f"{dst_path}.tmp"
     if not copy(src_path, tmp, overwrite=True):
         return False
@@ -130,3 +131,11 @@ def install_hydra_add_defaults(add_defaults) -> None:
     NLLB archs). Use the entry point's version, which also converts those nodes."""
     import fairseq_cli.hydra_train
     fairseq_cli.hydra_train.add_defaults = add_defaults
+
+
+def install_hydra_main(hydra_main) -> None:
+    """For the hydra entry point only (hydra_train.py): fairseq's cli_main runs the module's
+    ``hydra_main``, looked up when it runs, which drops the best validation score its
+    ``_hydra_main`` returns; hydra's sweepers need it. Use the entry point's, which returns it."""
+    import fairseq_cli.hydra_train
+    fairseq_cli.hydra_train.hydra_main = hydra_main

@@ -23,6 +23,8 @@ PREFIX = "fairseq_fsdp2/heartbeat/"
 INTERVAL_S = 1.0
 #: how many beats a live rank gets to show it is alive
 CHECK_BEATS = 3
+#: how long the end of a run waits for the heartbeat thread's last beat
+STOP_TIMEOUT_S = 30.0
 
 #: gloo/NCCL/store failures that mean a peer went away or stopped answering
 PEER_LOSS_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
@@ -31,7 +33,15 @@ PEER_LOSS_MARKERS = ("Connection closed by peer", "Connection reset by peer", "B
 
 
 class Heartbeat:
-    """A daemon thread adding 1 to this rank's counter in the store every ``interval`` s."""
+    """A thread adding 1 to this rank's counter in the store every ``interval`` s, until
+    ``stop``.
+
+    Why it must be stopped before the interpreter exits (not left to die as a daemon): CPython
+    ends a daemon thread that wakes during finalization with ``pthread_exit``; a thread inside
+    ``store.add`` (pybind11, the GIL released) then unwinds through pybind11's GIL guard, whose
+    destructor is ``noexcept``, and the C++ runtime calls ``std::terminate``: "terminate called
+    without an active exception", SIGABRT, a finished run reported as failed
+    (docs/architecture.md, "The end of a run")."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int,
                  interval: float = INTERVAL_S):
@@ -40,17 +50,30 @@ class Heartbeat:
         self.world_size = world_size
         self.interval = interval
         self.num_updates = 0  # set by the trainer: where training was when a peer was lost
-        # a daemon: it beats until the process ends
-        threading.Thread(target=self._beat, name="fsdp2-heartbeat", daemon=True).start()
+        self._stopped = threading.Event()
+        # a daemon only so that a run stopped without its teardown (os._exit after a lost rank)
+        # is never held up by it; every other end of a run stops and joins it
+        self._thread = threading.Thread(target=self._beat, name="fsdp2-heartbeat", daemon=True)
+        self._thread.start()
 
     def _beat(self) -> None:
-        key = f"{PREFIX}{self.rank}"
-        while True:
+        key, store = f"{PREFIX}{self.rank}", self.store
+        while not self._stopped.is_set():
             try:
-                self.store.add(key, 1)
+                store.add(key, 1)
             except Exception:  # the store is gone: the caller finds out at its next collective
                 return
-            time.sleep(self.interval)
+            self._stopped.wait(self.interval)
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> bool:
+        """Stop beating and wait for the thread (at most ``timeout`` s: a beat blocked on a dead
+        store returns within the store's own timeout). True if the thread has ended."""
+        self._stopped.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            return False
+        self.store = None  # the store's server (rank 0's, env://) goes with the process group
+        return True
 
     def lost_ranks(self) -> Optional[list[int]]:
         """The other ranks whose heartbeat stopped; None when the store cannot be reached."""
@@ -69,22 +92,13 @@ class Heartbeat:
         return [self.store.add(f"{PREFIX}{r}", 0) for r in range(self.world_size)]
 
 
-_current: Optional[Heartbeat] = None
-
-
 def start(rank: int, world_size: int) -> Optional[Heartbeat]:
-    """Start this rank's heartbeat in the default group's store (None without a group)."""
-    global _current
+    """A heartbeat for this rank in the default group's store (None for one rank or without a
+    group). The run context (run_context.py) keeps it and stops it at the end of the run."""
     if world_size < 2 or not dist.is_initialized():
         return None
     from torch.distributed.distributed_c10d import _get_default_store
-    _current = Heartbeat(_get_default_store(), rank, world_size)
-    return _current
-
-
-def current() -> Optional[Heartbeat]:
-    """This process's heartbeat, if training started one."""
-    return _current
+    return Heartbeat(_get_default_store(), rank, world_size)
 
 
 def set_collective_timeout(seconds: int, groups) -> None:

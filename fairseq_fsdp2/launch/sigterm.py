@@ -14,9 +14,10 @@ from typing import Callable, Optional
 from .torchrun import restart_count, under_torchrun_agent
 
 
-def stop_on_sigterm(rank: int, save_dir: Optional[str], updates: Callable[[], Optional[int]]):
-    """On SIGTERM print one line (who stopped the run, where, what happens next), then end by
-    the signal as before, so that the launcher sees what it sent."""
+def sigterm_handler(rank: int, save_dir: Optional[str], updates: Callable[[], Optional[int]]):
+    """A SIGTERM handler that prints one line (who stopped the run, where, what happens next),
+    then ends the process by the signal as before, so that the launcher sees what it sent. The
+    run context installs it for the run and restores the previous handler (run_context.py)."""
     pid = os.getpid()
 
     def handler(signum, frame):
@@ -31,7 +32,7 @@ def stop_on_sigterm(rank: int, save_dir: Optional[str], updates: Callable[[], Op
         os.kill(os.getpid(), signum)
         os._exit(128 + signum)
 
-    signal.signal(signal.SIGTERM, handler)
+    return handler
 
 
 def _sigterm_message(rank: int, save_dir: Optional[str], updates: Optional[int]) -> str:

@@ -2,9 +2,9 @@
 ``--distributed-world-size N`` on one GPU machine.
 
 fairseq would spawn ranks that call ``main`` directly, without the plugin's launch path (one-line
-errors, clean exit, meta-device build, ``--heartbeat-timeout`` rendezvous). ``spawn`` starts them
-instead, and each runs fairseq's ``call_main``, which integration/registration.py
-made ``run.call_main``.
+errors, the run's teardown, meta-device build, ``--heartbeat-timeout`` rendezvous). ``spawn``
+starts them instead, and each runs fairseq's ``call_main``, which integration/registration.py
+made ``lifecycle.call_main``. The plugin owns the processes it starts (cli.py).
 """
 from __future__ import annotations
 
@@ -13,22 +13,27 @@ import signal
 import sys
 from typing import Callable
 
+from ..errors import RanksFailed
+from .cli import mark_started_by_plugin
+
 
 def spawn(cfg, main: Callable, kwargs: dict) -> None:
     """Start this node's ``distributed_num_procs`` ranks (``torch.multiprocessing.spawn``, as
-    fairseq does), each through the plugin's launch path; exit as the first failed rank did
-    (it printed its own line)."""
+    fairseq does), each through the plugin's launch path; raise RanksFailed with the status of
+    the first failed rank (it printed its own line)."""
     import torch.multiprocessing as mp
     dt = cfg.distributed_training
     try:
         mp.spawn(_spawned_rank, args=(_importable(main), cfg, kwargs, dt.distributed_rank),
                  nprocs=dt.distributed_num_procs, join=True)
     except mp.ProcessExitedException as e:
+        rank = dt.distributed_rank + e.error_index
         if e.exit_code < 0:
-            name = signal.Signals(-e.exit_code).name
-            print(f"fairseq_fsdp2: error: rank {dt.distributed_rank + e.error_index} was killed "
-                  f"by {name}", file=sys.stderr, flush=True)
-        sys.exit(e.exit_code if e.exit_code > 0 else 1)
+            failed = RanksFailed(f"rank {rank} was killed by "
+                                 f"{signal.Signals(-e.exit_code).name}", 1)
+            failed.reported = False  # no line of its own: this is it
+            raise failed from e
+        raise RanksFailed(f"rank {rank} exited with status {e.exit_code}", e.exit_code) from e
 
 
 def _importable(main: Callable) -> Callable:
@@ -46,6 +51,7 @@ def _spawned_rank(i: int, main: Callable, cfg, kwargs: dict, start_rank: int) ->
     # A fresh interpreter: importing this module imported the plugin, which installed itself
     # into fairseq, so fairseq's call_main is the plugin's (launch.call_main).
     from fairseq.distributed import utils as distributed_utils
+    mark_started_by_plugin()
     dt = cfg.distributed_training
     dt.distributed_rank = start_rank + i
     dt.device_id = i

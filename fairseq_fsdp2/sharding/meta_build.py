@@ -29,17 +29,11 @@ RECIPES: dict[type, Callable[[nn.Module], dict[str, torch.Tensor]]] = {
         m.weights.shape[0], m.embedding_dim, m.padding_idx)},
 }
 
-_enabled = False  # set by launch/run.py for the run; read when fairseq builds the model
-
-
-def enable(on: bool) -> None:
-    global _enabled
-    _enabled = on
-
-
-def build_model(fairseq_build_model, task, cfg, *args, **kwargs) -> nn.Module:
-    """Stand-in for fairseq's FairseqTask.build_model (integration/registration.py)."""
-    if not _enabled:
+def build_model(fairseq_build_model, task, cfg, *args, on_meta: bool, **kwargs) -> nn.Module:
+    """Stand-in for fairseq's FairseqTask.build_model (integration/registration.py):
+    ``on_meta`` when an FSDP2 run will load the weights (its run context says so,
+    launch/run_context.py); otherwise fairseq's own build."""
+    if not on_meta:
         return fairseq_build_model(task, cfg, *args, **kwargs)
     with torch.device("meta"):
         model = fairseq_build_model(task, cfg, *args, **kwargs)

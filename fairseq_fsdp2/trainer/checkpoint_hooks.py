@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from ..checkpoint import async_save, sharded
 from ..checkpoint.export import read_full_model
 from ..errors import CheckpointError
+from ..launch import run_context
 from ..checkpoint.full_state import broadcast_full_model
 from ..checkpoint.grow_embedding import checkpoint_dictionary, grown as grow_embedding, \
     more_rows, smaller_dictionary
@@ -61,7 +62,9 @@ class TrainerCheckpoints:
         save_dir = self.cfg.checkpoint.save_dir
         # --write-checkpoints-asynchronously: the previous save, whole, before its directory
         # could look unreferenced below and before a second staging copy is made
-        async_save.wait_pending()
+        saves = _background_saves()
+        if saves is not None:
+            saves.wait_pending()
         if self.data_parallel_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             sharded.remove_unreferenced(save_dir)
@@ -69,9 +72,9 @@ class TrainerCheckpoints:
         optimizer = self.optimizer.optimizer if keep_optimizer else None
         with self._save_errors_reported():
             extra = self.sharded_extras()
-            if async_save.enabled():  # training goes on while the shards are written
+            if saves is not None:  # training goes on while the shards are written
                 timeout = self.cfg.distributed_training.heartbeat_timeout
-                self._shards = async_save.start(
+                self._shards = saves.start(
                     self.model, optimizer, save_dir, self.get_num_updates(),
                     self.optimizer.optimizer, timedelta(seconds=timeout) if timeout > 0 else None,
                     extra)
@@ -85,16 +88,17 @@ class TrainerCheckpoints:
 
     def save_checkpoint(self, filename, extra_state):
         resume.save_patience(self.cfg, extra_state)
-        if async_save.enabled():
+        saves = _background_saves()
+        if saves is not None:
             # fairseq's file, as its save_checkpoint builds it, written (with the copies fairseq
             # asks for) once its shards are complete: never a file naming incomplete shards
             state = fairseq_utils.move_to_cpu(self.state_dict())
             state["extra_state"].update(python_numbers(extra_state))
-            if isinstance(state.get("cfg"), dict):  # the flag as asked (launch/run.py hid it)
+            if isinstance(state.get("cfg"), dict):  # the flag as asked (launch/setup.py hid it)
                 state["cfg"]["checkpoint"]["write_checkpoints_asynchronously"] = True
-            async_save.add_file(filename, state)
+            saves.add_file(filename, state)
             if os.path.basename(filename) == CRASH_FILE:
-                async_save.wait_pending()  # fairseq raises right after: the process would end
+                saves.wait_pending()  # fairseq raises right after: the process would end
             return os.path.abspath(filename)
         with self._save_errors_reported():
             super().save_checkpoint(filename, python_numbers(extra_state))
@@ -288,3 +292,9 @@ class TrainerCheckpoints:
         restore_scaler_counts(self.optimizer, state_dict.get("loss_scaler"))
         return optimizer.state_dict()
 
+
+
+def _background_saves() -> "async_save.BackgroundSaves | None":
+    """The run's background saves (--write-checkpoints-asynchronously), or None."""
+    run = run_context.current()
+    return None if run is None else run.saves

@@ -20,7 +20,7 @@ from omegaconf import open_dict
 
 from ..checkpoint.full_state import install_optimizer_hooks
 from ..errors import CheckpointError, OutOfMemory, first_line
-from ..launch import heartbeat
+from ..launch import heartbeat, run_context
 from ..memory.breakdown import record_update
 from ..memory.monitor import MemoryMonitor, describe_last
 from ..optimizer import mixed_precision
@@ -66,8 +66,11 @@ class FSDP2Trainer(TrainerEMA, TrainerCheckpoints, Trainer):
             None if cfg.checkpoint.no_save else os.path.join(cfg.checkpoint.save_dir,
                                                              "memory.jsonl"),
             rank=self.data_parallel_rank)
-        # names a lost rank if a collective fails (launch/run.py reports it)
-        self._heartbeat = heartbeat.start(self.data_parallel_rank, self.data_parallel_world_size)
+        # names a lost rank if a collective fails (launch/lifecycle.py reports it); the run
+        # context stops it when the run ends
+        run = run_context.current()
+        self._heartbeat = None if run is None else run.start_heartbeat(
+            self.data_parallel_rank, self.data_parallel_world_size)
 
     # -- wrapping ------------------------------------------------------------------------------
     @property

@@ -58,9 +58,10 @@ def main() -> None:
     save_dir = tempfile.mkdtemp()
     torch.Tensor.copy_ = copy_
     saving = True
-    rel = async_save.start(model, optimizer, save_dir, 1, stepping=optimizer)
+    saves = async_save.BackgroundSaves()
+    rel = saves.start(model, optimizer, save_dir, 1, stepping=optimizer)
     step()  # its pre-hooks: the probe's (releases the copy), then the plugin's
-    async_save.wait_pending()
+    saves.wait_pending()
     torch.Tensor.copy_ = real_copy
     after = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
     state = sharded.state_to_save(model, None)  # loaded into the model: compared after

@@ -1,0 +1,92 @@
+"""The command-line face of a run: one line and an exit status, only where the plugin owns the
+process.
+
+The plugin owns the process when the program is one of the training commands (``fairseq-train``,
+``fairseq-hydra-train``, ``python -m fairseq_cli.train``, ``python -m fairseq_fsdp2.hydra_train``
+and its script, each also as a torchrun or SLURM rank) or a rank the plugin started itself
+(spawn.py), and the run is not one job of a hydra ``--multirun`` sweep. There an error ends the
+process with one ``fairseq_fsdp2: error: ...`` line and its status (2: bad input, 1: training
+stopped). Anywhere else (a Python program, a notebook, fairseq's own test helpers, a sweep) the
+error is raised, as an FSDP2Error the caller can catch, and the caller decides.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import NoReturn
+
+from ..errors import FSDP2Error, OptionError
+from ..options import FSDP2_BACKEND, LEGACY_FSDP_BACKEND
+
+#: ``python -m`` modules that are training commands
+ENTRY_MODULES = ("fairseq_cli.train", "fairseq_cli.hydra_train", "fairseq_fsdp2.hydra_train")
+#: console scripts that are training commands (pyproject.toml's and fairseq's)
+ENTRY_SCRIPTS = ("fairseq-train", "fairseq-hydra-train", "fairseq-fsdp2-hydra-train")
+DEBUG_ENV = "FAIRSEQ_FSDP2_DEBUG"  # set to 1 for tracebacks instead of one-line errors
+
+_started_by_plugin = False  # a rank spawn.py started: a process of the plugin's own
+
+
+def mark_started_by_plugin() -> None:
+    """In a rank process the plugin started (spawn.py): the plugin owns it."""
+    global _started_by_plugin
+    _started_by_plugin = True
+
+
+def owns_process() -> bool:
+    """Whether a run's error may end this process (see the module's docstring)."""
+    if _in_hydra_multirun():
+        return False
+    if _started_by_plugin:
+        return True
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None:  # python -m MODULE
+        return spec.name in ENTRY_MODULES
+    script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return os.path.basename(script) in ENTRY_SCRIPTS and \
+        os.path.abspath(getattr(main, "__file__", "") or "") == script
+
+
+def _in_hydra_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def stop(error: FSDP2Error, owned: bool, *, leave_now: bool = False) -> NoReturn:
+    """Report ``error``: in a process the plugin owns, one line and its exit status (with
+    ``leave_now``, at once, without the interpreter's teardown: used only when other ranks may
+    be stuck in a collective with this one, a lost rank); elsewhere raise it."""
+    if not owned or os.environ.get(DEBUG_ENV):
+        raise error
+    if not error.reported:
+        print(f"fairseq_fsdp2: error: {error}", file=sys.stderr, flush=True)
+    if leave_now:
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(error.exit_status)
+    sys.exit(error.exit_status)
+
+
+def parse_args_and_arch(fairseq_parse, parser, input_args=None, *args, **kwargs):
+    """Stand-in for fairseq's options.parse_args_and_arch: the same, except that for FSDP2
+    runs fairseq's misleading parse-time error about --tpu names the real conflict."""
+    try:
+        return fairseq_parse(parser, input_args, *args, **kwargs)
+    except ValueError as e:
+        argv = sys.argv[1:] if input_args is None else list(input_args)
+        if "Cannot combine --fp16 and --tpu" not in str(e) or not _asks_for_fsdp2(argv):
+            raise
+        error = OptionError("--fp16 and --bf16 are mutually exclusive: choose one" if any(
+            a in argv for a in ("--bf16", "--memory-efficient-bf16"))
+            else "--tpu cannot be combined with --ddp-backend fsdp2")
+        stop(error, owns_process())
+
+
+def _asks_for_fsdp2(argv: list[str]) -> bool:
+    pairs = zip(argv, argv[1:] + [""])
+    return any(a == "--ddp-backend" and b in (FSDP2_BACKEND, LEGACY_FSDP_BACKEND) or
+               a in (f"--ddp-backend={FSDP2_BACKEND}", f"--ddp-backend={LEGACY_FSDP_BACKEND}")
+               for a, b in pairs)

@@ -1,0 +1,126 @@
+"""One FSDP2 run's process-wide state, in one object: created when the run starts (setup.py),
+closed when it ends (lifecycle.py), so that the next run in the same process (a hydra sweep's
+next job, a program that trains again) starts fresh and the caller's process is left as it was.
+
+What a run holds while it lasts, and what closing it undoes:
+- whether fairseq builds the model on the meta device (sharding/meta_build.py, asked by
+  integration/registration.py's patch when fairseq builds the model);
+- the background saves (checkpoint/async_save.py): the save in flight, their process group,
+  the staging thread;
+- the heartbeat thread (heartbeat.py), stopped and joined: a daemon thread left inside a store
+  call at interpreter exit aborts the process (heartbeat.Heartbeat says why);
+- the SIGTERM handler (sigterm.py), the previous one restored;
+- the warning filters the run adds, the caller's restored;
+- the process group, destroyed if the run opened it, and fairseq's cached global group, which
+  would point at the destroyed group in the next run.
+
+Module state: only ``current()``, the run in progress in this process (fairseq builds the
+trainer and the model from inside its own ``main``, with no way to pass the run along), and the
+count of runs this process has opened.
+"""
+from __future__ import annotations
+
+import gc
+import itertools
+import logging
+import signal
+import threading
+import warnings
+from typing import Optional
+
+import torch.distributed as dist
+from fairseq.distributed import utils as fairseq_distributed_utils
+
+from ..checkpoint.async_save import BackgroundSaves
+from ..errors import OptionError
+from . import heartbeat
+from .heartbeat import Heartbeat
+
+logger = logging.getLogger(__name__)
+
+#: fairseq's attribute on get_global_group caching its group (fairseq/distributed/utils.py);
+#: tests/test_in_process.py fails if fairseq stops caching there
+FAIRSEQ_GROUP_CACHE = "_global_group"
+
+
+class RunContext:
+    """The state of one FSDP2 run on this process (a rank, or the task that starts ranks)."""
+
+    def __init__(self, *, builds_on_meta: bool, background_saves: bool, index: int = 0):
+        #: the how-manieth run of this process (from 0): every rank of a program runs the same
+        #: sequence of runs, so each run's rendezvous keys are kept apart by it (setup.py)
+        self.index = index
+        self.builds_on_meta = builds_on_meta
+        self.saves: Optional[BackgroundSaves] = BackgroundSaves() if background_saves else None
+        self.heartbeat: Optional[Heartbeat] = None
+        #: the process group did not exist when the run started: the run destroys it
+        self.owns_group = not (dist.is_available() and dist.is_initialized())
+        self._sigterm: Optional[object] = None  # the handler before the run's, to restore
+        self._sigterm_set = False
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()  # the caller's filters, restored by close()
+        self.closed = False
+
+    def start_heartbeat(self, rank: int, world_size: int) -> Optional[Heartbeat]:
+        """The trainer's heartbeat (None for one rank): stopped when the run closes."""
+        if self.heartbeat is None:
+            self.heartbeat = heartbeat.start(rank, world_size)
+        return self.heartbeat
+
+    def set_sigterm_handler(self, handler) -> None:
+        """Install the run's SIGTERM handler; close() restores the previous one. Python only
+        lets the main thread set handlers: a run in another thread (a sweep driver's worker)
+        keeps the caller's; so does a caller that installed a SIGTERM handler of its own."""
+        if threading.current_thread() is not threading.main_thread() or \
+                signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None) and \
+                not self._sigterm_set:
+            return
+        previous = signal.signal(signal.SIGTERM, handler)
+        if not self._sigterm_set:
+            self._sigterm, self._sigterm_set = previous, True
+
+    def close(self) -> None:
+        """Undo what the run set up, in order; safe to call twice. Makes no collective call:
+        after a failure the other ranks may be gone (a successful run meets them first,
+        lifecycle.py)."""
+        global _current
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.heartbeat is not None and not self.heartbeat.stop():
+                logger.warning("the heartbeat thread did not stop; it ends with the process")
+            if self.saves is not None:
+                self.saves.close()
+            if self.owns_group and dist.is_initialized():
+                fairseq_group_cache = fairseq_distributed_utils.get_global_group
+                if hasattr(fairseq_group_cache, FAIRSEQ_GROUP_CACHE):
+                    delattr(fairseq_group_cache, FAIRSEQ_GROUP_CACHE)
+                dist.destroy_process_group()
+                gc.collect()
+            if self._sigterm_set:
+                signal.signal(signal.SIGTERM, self._sigterm)
+        finally:
+            self._warnings.__exit__(None, None, None)
+            if _current is self:
+                _current = None
+
+
+_current: Optional[RunContext] = None
+_runs = itertools.count()  # runs opened in this process
+
+
+def open_run(*, builds_on_meta: bool, background_saves: bool) -> RunContext:
+    """The context of a run starting in this process; one at a time."""
+    global _current
+    if _current is not None:
+        raise OptionError("an FSDP2 run is already in progress in this process: one run at a "
+                          "time (start the next when the first has returned)")
+    _current = RunContext(builds_on_meta=builds_on_meta, background_saves=background_saves,
+                          index=next(_runs))
+    return _current
+
+
+def current() -> Optional[RunContext]:
+    """The FSDP2 run in progress in this process, or None (other backends, or between runs)."""
+    return _current

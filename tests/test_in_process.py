@@ -1,0 +1,192 @@
+"""A run returns to its caller: programs that train in-process, a second run in the same
+process, and hydra sweeps (launch/lifecycle.py, launch/run_context.py, launch/cli.py).
+
+One Python program (tests/probes/in_process.py, a plain process: not a training command, so the
+plugin does not own it) trains, validates and generates with fairseq's own mains, trains again
+resuming, trains an uninterrupted reference, trains another config, fails twice and trains once
+more, all inside a TemporaryDirectory; a hydra --multirun sweep runs its jobs one after the
+other in one process. Real runs: 1 rank, the tiny model.
+"""
+import json
+import os
+
+import pytest
+
+from conftest import REPO, TINY_MODEL, TRAINING
+from launcher import run_command, run_ranks, train_inner
+
+from fairseq_fsdp2.data import numbers
+from fairseq_fsdp2.data.prepare import prepare
+
+PROBES = str(REPO / "tests" / "probes")
+PHASES = ["start", "train", "validate", "generate", "resume", "reference", "other",
+          "missing-data", "broken-checkpoint", "after-failures", "end"]
+
+
+@pytest.fixture(scope="module")
+def program(corpus):
+    """The probe's output: {phase: (its record, the output since the previous phase)}, and the
+    whole result."""
+    spec = json.dumps({"corpus": str(corpus), "model": TINY_MODEL, "training": TRAINING})
+    (result,) = run_ranks(1, lambda r: [spec], module="in_process", torchrun_env=False,
+                          env={"PYTHONPATH": os.pathsep.join([PROBES, str(REPO)])},
+                          timeout=400)  # ~15 s alone; a loaded 2-core machine is far slower
+    phases, section = {}, []
+    for line in result.output.splitlines():
+        if line.startswith("PHASE "):
+            _, name, record = line.split(" ", 2)
+            phases[name] = (json.loads(record), "\n".join(section))
+            section = []
+        else:
+            section.append(line)
+    return phases, result
+
+
+def test_the_program_runs_to_its_end_and_its_exit_handlers_run_once_at_exit(program):
+    phases, result = program
+    assert result.returncode == 0, result.output[-4000:]
+    assert list(phases) == PHASES, result.output[-4000:]
+    lines = result.output.splitlines()
+    # the caller's atexit handler: not run in the middle (the old end of a run ran them all,
+    # and a TemporaryDirectory's cleanup with them), once at interpreter exit
+    assert lines.count("ATEXIT") == 1 and lines.index("ATEXIT") > lines.index("DONE")
+    assert phases["end"][0]["tmp_exists"]
+
+
+def test_each_run_leaves_the_process_as_it_found_it(program):
+    """No SIGTERM handler, warning filter, process group, plugin thread or run context is left
+    behind by a run, a failed one included."""
+    phases, _ = program
+    start = {k: v for k, v in phases["start"][0].items() if k != "fairseq_caches_group"}
+    assert not start["group"] and not start["run"] and start["threads"] == []
+    for name in PHASES[1:]:
+        record = phases[name][0]
+        assert {k: record[k] for k in start} == start, name
+
+
+def test_fairseq_caches_its_global_group_where_the_run_context_drops_it(program):
+    """fairseq's get_global_group caches the group as an attribute of the function; the run
+    context deletes it (run_context.FAIRSEQ_GROUP_CACHE), or the next run's barrier would use
+    the destroyed group. Fails here first if fairseq caches it elsewhere."""
+    phases, _ = program
+    assert phases["start"][0]["fairseq_caches_group"] is True
+
+
+def test_fairseq_validate_and_generate_read_the_checkpoint_in_the_same_process(program):
+    phases, _ = program
+    validated = [line for line in phases["validate"][1].splitlines()
+                 if "valid on 'valid' subset" in line]
+    assert len(validated) == 1, phases["validate"][1][-3000:]
+    sentences = int(validated[0].split("| bsz ")[1].split()[0])
+    assert sentences > 0 and phases["generate"][0]["hypotheses"] == sentences
+
+
+def test_training_again_resumes_exactly_in_the_same_process(program):
+    """The resumed run (updates 5-6 from the first run's checkpoint) and an uninterrupted
+    6-update run, both in this process: the same logged losses and bit-identical weights
+    (mid-epoch resume is bit-exact, platform notes; nothing may carry over between runs)."""
+    phases, _ = program
+    resumed = {int(r["num_updates"]): r["loss"] for r in train_inner(phases["resume"][1])}
+    reference = {int(r["num_updates"]): r["loss"] for r in train_inner(phases["reference"][1])}
+    assert sorted(resumed) == [5, 6] and sorted(reference) == list(range(1, 7)), \
+        (resumed, reference)
+    assert resumed == {u: reference[u] for u in (5, 6)}
+    assert phases["reference"][0]["same_weights"] is True
+
+
+def test_another_config_trains_after_them_in_the_same_process(program):
+    phases, _ = program
+    record, output = phases["other"]
+    assert record["consolidated"]
+    # one encoder layer: 5 units (the first run's plan had 6)
+    assert "FSDP2 sharding plan: 5 units over 1 rank(s)" in output, output[-3000:]
+    assert "FSDP2 sharding plan: 6 units over 1 rank(s)" in phases["train"][1]
+    assert [int(r["num_updates"]) for r in train_inner(phases["after-failures"][1])] == [1, 2]
+
+
+def test_a_failed_run_raises_its_one_line_error_and_the_program_goes_on(program):
+    phases, _ = program
+    missing = phases["missing-data"][0]
+    assert missing["error"]["type"] == "OptionError" and missing["error"]["exit_status"] == 2
+    assert missing["error"]["message"].startswith("data not found: ")
+    assert not missing["save_dir"]  # bad input writes nothing
+    broken = phases["broken-checkpoint"][0]["error"]
+    assert broken["type"] == "CheckpointError" and broken["exit_status"] == 2
+    assert broken["message"].startswith("cannot read checkpoint "), broken
+    assert "\n" not in missing["error"]["message"] + broken["message"]
+
+
+def test_a_program_under_torchrun_trains_twice_on_two_ranks(corpus, tmp_path):
+    """tests/probes/two_runs.py on 2 ranks (torchrun's environment, rank 0 hosting the store):
+    two runs in each process, the second with another config. Each run stops its heartbeat
+    thread (no fsdp2 thread is left) and destroys its group, and the second rendezvous does not
+    read the first's keys (run_context.RunContext.index; without it the second run hung or
+    failed connecting to the first run's addresses)."""
+    args = [corpus, *TINY_MODEL, *TRAINING, "--ddp-backend", "fsdp2", "--min-params-to-wrap", 1,
+            "--num-workers", "0", "--max-update", "2", "--save-dir", tmp_path / "ckpt"]
+    results = run_ranks(2, lambda r: args, module="two_runs",
+                        env={"PYTHONPATH": os.pathsep.join([PROBES, str(REPO)])}, timeout=400)
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank}:\n{r.output[-4000:]}"
+        runs = [json.loads(line.split(" ", 2)[2]) for line in r.output.splitlines()
+                if line.startswith("RUN ")]
+        assert runs == [{"group": False, "run": False, "threads": []}] * 2, runs
+    assert (tmp_path / "ckpt-second" / "checkpoint_last_consolidated.pt").is_file()
+    assert "FSDP2 sharding plan: 5 units over 2 rank(s)" in results[0].output
+
+
+# --- a hydra sweep ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def nllb_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sweep-data")
+    numbers.write_corpus(root / "raw", [("eng_Latn", "fra_Latn")], n_train=600, n_valid=20,
+                         n_test=4, seed=3)
+    return prepare(root / "raw", root / "data", vocab_size=100, log=lambda *a: None)
+
+
+def sweep(data, root, *overrides):
+    out = root / "jobs.jsonl"
+    result = run_command(
+        "fairseq_fsdp2.hydra_train", "--multirun", "--config-dir", REPO / "configs",
+        "--config-name", "nllb_tiny_demo", f"task.data={data}", "common.cpu=true",
+        "common.log_interval=1", "lr_scheduler.warmup_updates=2",
+        f"checkpoint.save_dir={root}/ck_${{hydra:job.num}}", f"hydra.sweep.dir={root}/sweep",
+        "+hydra.callbacks.results._target_=sweep_results.JobResults",
+        f"+hydra.callbacks.results.out={out}", *overrides,
+        env={"PYTHONPATH": os.pathsep.join([PROBES, str(REPO)])}, timeout=400)
+    jobs = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    return result, jobs
+
+
+def valid_losses(output: str) -> list[float]:
+    """The valid records' losses; hydra's job logging prints ``[valid][INFO] - {json}``."""
+    return [float(json.loads(line.split("[valid][INFO] - ", 1)[1])["valid_loss"])
+            for line in output.splitlines() if "[valid][INFO] - " in line]
+
+
+def test_a_hydra_sweep_runs_every_job_and_returns_each_best_validation_loss(nllb_data,
+                                                                         tmp_path):
+    result, jobs = sweep(nllb_data, tmp_path, "optimization.max_update=3",
+                         "optimization.lr=[0.001],[0.002]")
+    assert result.returncode == 0, result.output[-4000:]
+    assert [(j["num"], j["status"]) for j in jobs] == [(0, "COMPLETED"), (1, "COMPLETED")]
+    # one validation per job, at its end (max_update): what fairseq's _hydra_main returns
+    # is that loss, rounded to 3 decimals as fairseq's meter rounds it and the log prints it
+    losses = valid_losses(result.output)
+    assert len(losses) == 2, result.output[-4000:]
+    assert [j["value"] for j in jobs] == losses and losses[0] != losses[1]
+    for j in jobs:
+        assert os.path.isfile(os.path.join(j["save_dir"], "checkpoint_last_consolidated.pt"))
+
+
+def test_a_failed_job_of_a_sweep_is_reported_as_hydra_reports_one(nllb_data, tmp_path):
+    """Job 1's --fsdp2-reshard-degree 3 is bad input on one rank: the job fails (raised to
+    hydra, which reports it and exits 1), job 0 trains and exports."""
+    result, jobs = sweep(nllb_data, tmp_path, "optimization.max_update=2",
+                         "distributed_training.fsdp2_reshard_degree=0,3")
+    assert result.returncode == 1, result.output[-4000:]
+    assert [(j["num"], j["status"]) for j in jobs] == [(0, "COMPLETED"), (1, "FAILED")]
+    assert "--fsdp2-reshard-degree 3 must divide" in jobs[1]["value"]
+    assert "Error executing job with overrides" in result.output, result.output[-3000:]
+    assert os.path.isfile(os.path.join(jobs[0]["save_dir"], "checkpoint_last_consolidated.pt"))

@@ -157,6 +157,18 @@ CATALOGUE = {
         (1, ["--store-ema", "--ema-seed-model", "{good}"],
          "--ema-seed-model {good} holds no EMA (extra_state['ema']): was it trained with "
          "--store-ema?")],
+    "`--max-tokens 0` or `-5`, `--batch-size 0`, `--update-freq 0` (also `--max-tokens-valid`, "
+    "`--batch-size-valid`, `--required-batch-size-multiple`, `--log-interval`, "
+    "`--save-interval`, `--validate-interval`, `--max-source-positions`, "
+    "`--max-target-positions` below 1)": [
+        (1, [flag, value], f"{flag} must be >= 1, got {value}")
+        for flag, value in [("--max-tokens", "0"), ("--max-tokens", "-5"), ("--batch-size", "0"),
+                            ("--update-freq", "0")]],
+    "a negative `--max-update`, `--max-epoch`, `--lr`, `--warmup-updates` or `--num-workers`": [
+        (1, ["--max-update", "-3"], "--max-update must be >= 0 (0: no limit), got -3"),
+        (1, ["--lr", "0.1,-1"], "--lr must be >= 0, got 0.1,-1")],
+    "`--dropout`, `--attention-dropout` or `--activation-dropout` outside 0 to 1": [
+        (1, ["--dropout", "1.5"], "--dropout must be between 0 and 1, got 1.5")],
     "`--distributed-world-size 2` in one process (no torchrun) on CPU": [
         (0, ["--distributed-world-size", "2"], "--distributed-world-size 2 needs one process per "
                                                 "rank and there is CPU (--cpu or no GPU): start "

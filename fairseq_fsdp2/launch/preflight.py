@@ -11,6 +11,7 @@ alike) into one line.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Optional
 
 import torch
@@ -61,8 +62,51 @@ def weights_will_be_loaded(cfg) -> bool:
 
 
 
+#: fairseq's numeric flags that fairseq takes without a look and then trips over (a traceback
+#: mid-run, a crash of its C code, or a run that stops at once having done nothing): (config
+#: group, key, flag, least value, most value or None, what 0 means where it is allowed)
+NUMBER_RANGES = (
+    ("dataset", "max_tokens", "--max-tokens", 1, None, ""),
+    ("dataset", "batch_size", "--batch-size", 1, None, ""),
+    ("dataset", "max_tokens_valid", "--max-tokens-valid", 1, None, ""),
+    ("dataset", "batch_size_valid", "--batch-size-valid", 1, None, ""),
+    ("dataset", "required_batch_size_multiple", "--required-batch-size-multiple", 1, None, ""),
+    ("dataset", "num_workers", "--num-workers", 0, None, ""),
+    ("dataset", "validate_interval", "--validate-interval", 1, None, ""),
+    ("optimization", "update_freq", "--update-freq", 1, None, ""),
+    ("optimization", "max_update", "--max-update", 0, None, " (0: no limit)"),
+    ("optimization", "max_epoch", "--max-epoch", 0, None, " (0: no limit)"),
+    ("optimization", "lr", "--lr", 0, None, ""),
+    ("common", "log_interval", "--log-interval", 1, None, ""),
+    ("checkpoint", "save_interval", "--save-interval", 1, None, ""),
+    ("lr_scheduler", "warmup_updates", "--warmup-updates", 0, None, ""),
+    ("task", "max_source_positions", "--max-source-positions", 1, None, ""),
+    ("task", "max_target_positions", "--max-target-positions", 1, None, ""),
+    ("model", "dropout", "--dropout", 0, 1, ""),
+    ("model", "attention_dropout", "--attention-dropout", 0, 1, ""),
+    ("model", "activation_dropout", "--activation-dropout", 0, 1, ""),
+)
+
+
+def check_numbers(cfg) -> None:
+    """Raise OptionError for a fairseq number out of its range (NUMBER_RANGES), naming the
+    flag, its range and the value given. None (not given) and absent keys pass."""
+    for group, key, flag, least, most, zero in NUMBER_RANGES:
+        given = getattr(getattr(cfg, group, None), key, None)
+        several = isinstance(given, Sequence) and not isinstance(given, str)  # --lr 0.1,0.01
+        for value in given if several else [given]:
+            if not isinstance(value, (int, float)) or least <= value and (
+                    most is None or value <= most):
+                continue
+            shown = ",".join(f"{v:g}" for v in given) if several else f"{value:g}"
+            wanted = f"between {least} and {most}" if most is not None else f">= {least}"
+            raise OptionError(f"{flag} must be {wanted}{zero}, got {shown}")
+
+
 def check_fairseq_flags(cfg) -> None:
-    """Raise OptionError for a fairseq flag FSDP2 runs do not serve (each says why)."""
+    """Raise OptionError for a fairseq flag FSDP2 runs do not serve (each says why), or a
+    fairseq number out of its range (check_numbers)."""
+    check_numbers(cfg)
     dt = cfg.distributed_training
     if cfg.common.amp:
         raise OptionError("--amp cannot be combined with --ddp-backend fsdp2: use --fp16 or "

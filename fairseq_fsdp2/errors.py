@@ -3,7 +3,26 @@ unless FAIRSEQ_FSDP2_DEBUG=1: exit status 2 for bad input (stopped before any wo
 failure during training (see TrainingStopped)."""
 from __future__ import annotations
 
+import os
 from typing import Optional
+
+#: set to 1 for tracebacks (and argparse's usage) instead of one-line errors
+DEBUG_ENV = "FAIRSEQ_FSDP2_DEBUG"
+
+
+def prints_bad_input(local_rank: Optional[int] = None) -> bool:
+    """Whether this process prints a bad-input line (exit status 2). Every rank finds the same
+    bad input (the same command line; on one machine the same files), so one rank per machine
+    says it: the first one there. Per machine, not only global rank 0: a file one node lacks (a
+    data directory, a checkpoint) is found by that node's ranks alone. ``local_rank``: this
+    process's rank on its machine where the process knows it (fairseq's
+    ``distributed_training.device_id`` once the launch settings are filled in: ranks the plugin
+    spawns have no launcher environment saying it); else the launcher's environment
+    (torchrun's LOCAL_RANK, SLURM's SLURM_LOCALID); a process no launcher started prints."""
+    if local_rank is None:
+        found = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID"))
+        local_rank = int(found) if found is not None and found.isdigit() else 0
+    return local_rank == 0
 
 
 def first_line(error: BaseException, limit: Optional[int] = 200) -> str:

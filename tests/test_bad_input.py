@@ -169,6 +169,16 @@ CATALOGUE = {
         (1, ["--lr", "0.1,-1"], "--lr must be >= 0, got 0.1,-1")],
     "`--dropout`, `--attention-dropout` or `--activation-dropout` outside 0 to 1": [
         (1, ["--dropout", "1.5"], "--dropout must be between 0 and 1, got 1.5")],
+    "a value of one of the plugin's flags out of its choices (`--fsdp2-root-reshard sometimes`, "
+    "with any backend), and in an FSDP2 run any flag's (`--optimizer adamm`) or an unknown "
+    "flag": [
+        (1, ["--fsdp2-root-reshard", "sometimes", *backend], "argument --fsdp2-root-reshard: "
+         "invalid choice: 'sometimes' (choose from 'default', 'always')")
+        for backend in ([], ["--ddp-backend", "legacy_ddp"])] + [
+        (1, ["--optimizer", "adamm"], "argument --optimizer: invalid choice: 'adamm' (choose "
+                                      "from 'adadelta', "),
+        (1, ["--fsdp2-root-reshrd", "always"], "unrecognized arguments: --fsdp2-root-reshrd "
+                                               "always")],
     "`--distributed-world-size 2` in one process (no torchrun) on CPU": [
         (0, ["--distributed-world-size", "2"], "--distributed-world-size 2 needs one process per "
                                                 "rank and there is CPU (--cpu or no GPU): start "
@@ -282,5 +292,17 @@ def test_bad_input_stops_with_one_line_and_writes_nothing(files, tmp_path, monke
         assert r.returncode == 2 and len(errors) == 1, f"rank {r.rank}:\n{r.output[-3000:]}"
         assert message in errors[0], errors[0]
         assert "Traceback" not in r.output and "begin training" not in r.output
+        assert "usage:" not in r.output  # argparse's, fairseq's 120 lines
     assert not list(tmp_path.glob("ckpt*"))
     assert before == {p: p.read_bytes() for p in before}
+
+
+def test_other_backends_keep_stock_fairseq_parse_errors(corpus):
+    """A bad value of a fairseq flag in a run of another backend: argparse's usage and error, as
+    stock fairseq prints them (only FSDP2 runs and the plugin's own flags get one line)."""
+    result, = run_ranks(1, lambda r: [corpus, "--user-dir", PLUGIN, "--ddp-backend", "legacy_ddp",
+                                      "--optimizer", "adamm"], timeout=120)
+    assert result.returncode == 2, result.output[-3000:]
+    assert "usage: " in result.output
+    assert "error: argument --optimizer: invalid choice: 'adamm'" in result.output
+    assert "fairseq_fsdp2: error:" not in result.output

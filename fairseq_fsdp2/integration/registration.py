@@ -22,6 +22,7 @@ from hydra.core.config_store import ConfigStore
 from ..checkpoint import async_save
 from ..checkpoint.export import read_with_full_weights
 from ..checkpoint.safe_load import allow_fairseq_checkpoint_classes
+from ..launch import parse_errors
 from ..launch import run as launch
 from ..options import FSDP2DistributedTrainingConfig
 from ..sharding import meta_build
@@ -104,6 +105,12 @@ def install() -> None:
     #    made before then is written with it instead.
     fairseq.file_io.PathManager.copy = staticmethod(
         functools.partial(async_save.copy_when_written, fairseq.file_io.PathManager.copy))
+
+    # 10. Parse errors: argparse prints fairseq's whole usage (about 120 lines) before a bad
+    #    flag value's error; FSDP2 runs, and a bad value of one of the plugin's own flags in any
+    #    run, get the error alone in one line, exit status 2 (launch/parse_errors.py).
+    fairseq.options.parse_args_and_arch = functools.wraps(fairseq.options.parse_args_and_arch)(
+        functools.partial(parse_errors.parse_args_and_arch, fairseq.options.parse_args_and_arch))
 
 
 def _meta_aware(fairseq_build_model):

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from conftest import PLUGIN, REPO, TINY_MODEL, TRAINING
 from launcher import run_ranks
 
 from fairseq_fsdp2.checkpoint.export import consolidate
+from fairseq_fsdp2.launch import precheck
 
 FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", "--num-workers", "0"]
 PROBES = str(REPO / "tests" / "probes")
@@ -306,3 +308,20 @@ def test_other_backends_keep_stock_fairseq_parse_errors(corpus):
     assert "usage: " in result.output
     assert "error: argument --optimizer: invalid choice: 'adamm'" in result.output
     assert "fairseq_fsdp2: error:" not in result.output
+
+
+def test_train_sh_checks_the_command_line_before_torchrun(corpus, tmp_path):
+    """NPROC=2 scripts/train.sh with bad input: one line and exit status 2 from the check
+    before torchrun (no line per rank, no torchrun report), nothing written; a good command line
+    passes the same check and writes nothing either."""
+    save = tmp_path / "ckpt"
+    args = [corpus, *TINY_MODEL, *TRAINING, "--min-params-to-wrap", "1", "--max-update", "2",
+            "--save-dir", save]
+    result = subprocess.run(["bash", REPO / "scripts" / "train.sh", *args, "--max-tokens", "0"],
+                            env={**os.environ, "NPROC": "2"}, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert (result.stdout + result.stderr).splitlines() == [
+        "fairseq_fsdp2: error: --max-tokens must be >= 1, got 0"]
+    assert precheck.main(["2", *args, "--user-dir", PLUGIN, "--ddp-backend", "fsdp2"]) == 0
+    assert not save.exists()

@@ -2,8 +2,9 @@
 
 ``check_launch`` runs before the process group exists: a world size that the processes on
 hand cannot form, a --save-dir that cannot be created, a --finetune-from-model that is not there
-(or a directory without Hugging Face weights). ``check_fairseq_flags``: fairseq flags FSDP2 runs
-do not serve, and an --ema-seed-model without an EMA. ``weights_will_be_loaded``: whether the
+(or a directory without Hugging Face weights). ``check_options``: the plugin's options and
+fairseq's flags (``check_fairseq_flags``: fairseq flags FSDP2 runs do not serve, an
+--ema-seed-model without an EMA, and fairseq numbers out of their range). ``weights_will_be_loaded``: whether the
 model can be built on the meta device. ``data_error`` turns fairseq's own errors
 for a data directory without the files asked for (raised while the task loads, on every rank
 alike) into one line.
@@ -20,6 +21,7 @@ from ..checkpoint import sharded
 from ..checkpoint.safe_load import read_checkpoint_file
 from ..errors import CheckpointError, OptionError, first_line
 from ..hf.nllb_weights import INDEX, WEIGHTS, is_hf_source
+from ..options import validate
 
 def check_launch(cfg, *, launched_per_rank: bool, on_cuda: bool) -> None:
     """Raise OptionError for a run that cannot start as asked."""
@@ -101,6 +103,18 @@ def check_numbers(cfg) -> None:
             shown = ",".join(f"{v:g}" for v in given) if several else f"{value:g}"
             wanted = f"between {least} and {most}" if most is not None else f">= {least}"
             raise OptionError(f"{flag} must be {wanted}{zero}, got {shown}")
+
+
+def check_options(cfg) -> None:
+    """Raise OptionError for bad options of an FSDP2 run, once its world size is known: the
+    plugin's (options.validate) and fairseq's flags (check_fairseq_flags)."""
+    dt = cfg.distributed_training
+    validate(dt, min_params_to_wrap=getattr(cfg.model, "min_params_to_wrap", 0),
+             fp16=cfg.common.fp16, bf16=cfg.common.bf16,
+             world_size=dt.distributed_world_size,
+             optimizer=getattr(cfg.optimizer, "_name", None),  # a Namespace for some
+             fp16_adam_stats=bool(getattr(cfg.optimizer, "fp16_adam_stats", False)))
+    check_fairseq_flags(cfg)
 
 
 def check_fairseq_flags(cfg) -> None:

@@ -10,6 +10,18 @@ from typing import Optional
 DEBUG_ENV = "FAIRSEQ_FSDP2_DEBUG"
 
 
+def unwritable(directory: str) -> Optional[str]:
+    """Why nothing can be created in ``directory`` (made with its missing parents first), or
+    None: the nearest part of it that exists is a plain file, or a directory this process cannot
+    write (its permissions, a read-only file system: os.access says so even to root)."""
+    existing = os.path.abspath(directory)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
+        return f"{existing} is not a writable directory"
+    return None
+
+
 def prints_bad_input(local_rank: Optional[int] = None) -> bool:
     """Whether this process prints a bad-input line (exit status 2). Every rank finds the same
     bad input (the same command line; on one machine the same files), so one rank per machine

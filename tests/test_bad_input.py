@@ -325,3 +325,52 @@ def test_train_sh_checks_the_command_line_before_torchrun(corpus, tmp_path):
         "fairseq_fsdp2: error: --max-tokens must be >= 1, got 0"]
     assert precheck.main(["2", *args, "--user-dir", PLUGIN, "--ddp-backend", "fsdp2"]) == 0
     assert not save.exists()
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """An empty directory on a read-only file system (a tmpfs mounted ro): the tests run as
+    root, whom chmod does not stop. Skipped where mounting is not permitted."""
+    path = tmp_path / "read-only"
+    path.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)],
+                           capture_output=True, text=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {mount.stderr.strip()}")
+    yield path
+    subprocess.run(["umount", str(path)], check=True)
+
+
+@pytest.mark.parametrize("module, where, message", [
+    ("fairseq_fsdp2.consolidate", "{read_only}/out.pt",
+     "fairseq_fsdp2: error: cannot write {out}: {read_only} is not a writable directory"),
+    ("fairseq_fsdp2.consolidate", "{plain_file}/out.pt",
+     "fairseq_fsdp2: error: cannot write {out}: {plain_file} is not a writable directory"),
+    ("fairseq_fsdp2.consolidate", "{tmp}/no-such-dir/out.pt",
+     "fairseq_fsdp2: error: cannot write {out}: {tmp}/no-such-dir does not exist"),
+    ("fairseq_fsdp2.plot_memory", "{read_only}/memory.png", "fairseq_fsdp2.plot_memory: error: "
+     "cannot write {out}: {read_only} is not a writable directory"),
+    ("fairseq_fsdp2.data.prepare", "{read_only}/data", "prepare_data: error: destination {out} "
+     "cannot be written: {read_only} is not a writable directory")],
+    ids=["consolidate-read-only", "consolidate-under-a-file", "consolidate-missing-dir",
+         "plot-memory-read-only", "prepare-data-read-only"])
+def test_an_output_that_cannot_be_written_stops_before_reading(files, tmp_path, request,
+                                                                module, where, message):
+    """Our other commands: an output they cannot write is one line, exit status 2 (prepare_data:
+    1, as all its errors), before they read their input (the checkpoint, the memory log, the raw text); nothing is written."""
+    read_only = request.getfixturevalue("read_only_dir") if "read_only" in where else None
+    out = where.format(read_only=read_only, plain_file=files["plain_file"], tmp=tmp_path)
+    inputs = {"fairseq_fsdp2.consolidate": [files["good"]],
+              "fairseq_fsdp2.plot_memory": [tmp_path / "memory.jsonl"],  # never read
+              "fairseq_fsdp2.data.prepare": [files["corpus"].parent / "raw"]}[module]
+    before = files["good"].read_bytes()
+    result, = run_ranks(1, lambda r: [*inputs, out], module=module, torchrun_env=False,
+                        timeout=120)
+    errors = [l for l in result.output.splitlines() if ": error:" in l]
+    status = 1 if module == "fairseq_fsdp2.data.prepare" else 2  # as its other errors
+    assert result.returncode == status and errors == [
+        message.format(out=out, read_only=read_only, plain_file=files["plain_file"],
+                       tmp=tmp_path)], result.output[-3000:]
+    assert "Traceback" not in result.output
+    assert not os.path.exists(out) and files["good"].read_bytes() == before
+    assert read_only is None or not os.listdir(read_only)

@@ -19,7 +19,7 @@ import torch
 
 from ..checkpoint import sharded
 from ..checkpoint.safe_load import read_checkpoint_file
-from ..errors import CheckpointError, OptionError, first_line
+from ..errors import CheckpointError, OptionError, first_line, unwritable
 from ..hf.nllb_weights import INDEX, WEIGHTS, is_hf_source
 from ..options import validate
 
@@ -41,13 +41,9 @@ def check_launch(cfg, *, launched_per_rank: bool, on_cuda: bool) -> None:
     if source and not os.path.exists(source):  # fairseq would stop later with a traceback
         raise OptionError(f"--finetune-from-model not found: {source}")
     save_dir = cfg.checkpoint.save_dir
-    if not cfg.checkpoint.no_save:
-        existing = os.path.abspath(save_dir)
-        while not os.path.exists(existing):
-            existing = os.path.dirname(existing)
-        if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
-            raise OptionError(f"--save-dir {save_dir} cannot be written: {existing} is not a "
-                              f"writable directory")
+    problem = None if cfg.checkpoint.no_save else unwritable(save_dir)
+    if problem:
+        raise OptionError(f"--save-dir {save_dir} cannot be written: {problem}")
 
 
 def weights_will_be_loaded(cfg) -> bool:

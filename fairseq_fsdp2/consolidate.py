@@ -51,6 +51,9 @@ def main(argv=None) -> int:
     except CheckpointError as e:
         print(f"fairseq_fsdp2: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the write failed (a full disk: checkpoint/export.py says so)
+        print(f"fairseq_fsdp2: error: {e}", file=sys.stderr)
+        return 1
     print(f"wrote {args.out}")
     return 0
 

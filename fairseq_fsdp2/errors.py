@@ -3,7 +3,9 @@ unless FAIRSEQ_FSDP2_DEBUG=1: exit status 2 for bad input (stopped before any wo
 failure during training (see TrainingStopped)."""
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 from typing import Optional
 
 #: set to 1 for tracebacks (and argparse's usage) instead of one-line errors
@@ -19,6 +21,33 @@ def unwritable(directory: str) -> Optional[str]:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
         return f"{existing} is not a writable directory"
+    return None
+
+
+def no_space_left(error: BaseException, directory: str) -> Optional[str]:
+    """``no space left on device (DIR's file system has X MiB free)`` if ``error``, or an error
+    it wraps (its cause, its context, torch.distributed.checkpoint's per-rank ``failures``), says
+    that the disk is full: errno ENOSPC, or torch.save's short write (``unexpected pos``, its
+    only word for it) with under 1 MiB left; else None."""
+    try:
+        free: Optional[int] = shutil.disk_usage(directory).free
+    except OSError:
+        free = None
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        text = str(e)
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in text or (
+                "unexpected pos" in text and free is not None and free < 2 ** 20):
+            shown = "an unknown amount" if free is None else f"{free / 2 ** 20:.1f} MiB"
+            return f"no space left on device ({directory}'s file system has {shown} free)"
+        failures = getattr(e, "failures", None)
+        todo += [e.__cause__, e.__context__, *(
+            f[0] for f in (failures.values() if isinstance(failures, dict) else ())
+            if isinstance(f, tuple) and f and isinstance(f[0], BaseException))]
     return None
 
 

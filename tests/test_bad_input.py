@@ -16,7 +16,7 @@ import torch
 
 import fairseq_fsdp2  # noqa: F401  (allow-lists the classes fairseq pickles for torch.load)
 
-from conftest import PLUGIN, REPO, TINY_MODEL, TRAINING
+from conftest import PLUGIN, REPO, TINY_MODEL, TRAINING, tmpfs
 from launcher import run_ranks
 
 from fairseq_fsdp2.checkpoint.export import consolidate
@@ -329,16 +329,9 @@ def test_train_sh_checks_the_command_line_before_torchrun(corpus, tmp_path):
 
 @pytest.fixture
 def read_only_dir(tmp_path):
-    """An empty directory on a read-only file system (a tmpfs mounted ro): the tests run as
-    root, whom chmod does not stop. Skipped where mounting is not permitted."""
-    path = tmp_path / "read-only"
-    path.mkdir()
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)],
-                           capture_output=True, text=True)
-    if mount.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here: {mount.stderr.strip()}")
-    yield path
-    subprocess.run(["umount", str(path)], check=True)
+    """An empty directory on a read-only file system (conftest.tmpfs)."""
+    with tmpfs(tmp_path / "read-only", "ro,size=64k") as path:
+        yield path
 
 
 @pytest.mark.parametrize("module, where, message", [

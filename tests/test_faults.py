@@ -7,13 +7,12 @@ run's losses; a failed save, a NaN loss and an out-of-memory error each stop wit
 import os
 import random
 import re
-import subprocess
 import time
 
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, tmpfs
 from launcher import finish_ranks, free_port, start_ranks, train_inner
 
 PROBES = str(REPO / "tests" / "probes")
@@ -195,15 +194,8 @@ def test_a_full_disk_says_so_with_the_free_space(train_args, tmp_path):
     Every rank's one line says the disk is full and how much its file system has free.
     Skipped where mounting is not permitted."""
     save_dir = tmp_path / "small-disk"
-    save_dir.mkdir()
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(save_dir)],
-                           capture_output=True, text=True)
-    if mount.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip()}")
-    try:
+    with tmpfs(save_dir, "size=64k"):
         results, _ = run(train_args, save_dir, updates=4)
-    finally:
-        subprocess.run(["umount", str(save_dir)], check=True)
     for r in results:
         lines = [l for l in r.output.splitlines() if l.startswith("fairseq_fsdp2: error:")]
         assert r.returncode == 1 and len(lines) == 1, r.output[-3000:]

@@ -14,7 +14,7 @@ import os
 import sys
 
 from .checkpoint.export import consolidate
-from .errors import CheckpointError
+from .errors import CheckpointError, unwritable
 
 
 def main(argv=None) -> int:
@@ -40,11 +40,20 @@ def main(argv=None) -> int:
     if os.path.abspath(args.out) == os.path.abspath(args.checkpoint):
         print("fairseq_fsdp2: error: OUT must differ from CHECKPOINT", file=sys.stderr)
         return 2
+    parent = os.path.dirname(os.path.abspath(args.out))  # checked before anything is read
+    problem = unwritable(parent) or (None if os.path.isdir(parent) else f"{parent} does not "
+                                                                        f"exist")
+    if problem:
+        print(f"fairseq_fsdp2: error: cannot write {args.out}: {problem}", file=sys.stderr)
+        return 2
     try:
         consolidate(args.checkpoint, args.out, args.data, args.format, ema=args.ema)
     except CheckpointError as e:
         print(f"fairseq_fsdp2: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the write failed (a full disk: checkpoint/export.py says so)
+        print(f"fairseq_fsdp2: error: {e}", file=sys.stderr)
+        return 1
     print(f"wrote {args.out}")
     return 0
 

@@ -6,9 +6,11 @@ per rank. ``--predicted-gb X`` adds the estimator's prediction as a dashed line.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional, Sequence
 
+from .errors import unwritable
 from .memory.charts import plot_memory_log, read_memory_log
 
 
@@ -21,6 +23,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--predicted-gb", type=float, default=None,
                         help="draw the estimator's predicted per-rank peak")
     args = parser.parse_args(argv)
+    problem = unwritable(os.path.dirname(os.path.abspath(args.out_png)))
+    if problem:
+        print(f"fairseq_fsdp2.plot_memory: error: cannot write {args.out_png}: {problem}",
+              file=sys.stderr)
+        return 2
     try:
         records = read_memory_log(args.memory_jsonl)
     except (OSError, ValueError) as e:

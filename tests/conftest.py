@@ -1,7 +1,9 @@
 """Shared fixtures: the tiny binarized corpus and the tiny model's fairseq-train flags."""
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -131,3 +133,19 @@ def train_args(corpus, tmp_path):
 def stock_ddp(rank: int, world: int) -> list[str]:
     """Stock fairseq's own multi-process CPU flags (see the platform notes)."""
     return STOCK_DDP + ["--distributed-world-size", str(world), "--distributed-rank", str(rank)]
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, options: str):
+    """A tmpfs mounted at ``path`` (created) for the ``with`` block: a small disk that fills, or
+    a read-only file system (the tests run as root, whom chmod does not stop). Skips the test
+    where mounting is not permitted (it needs root or CAP_SYS_ADMIN)."""
+    path.mkdir(exist_ok=True)
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                           capture_output=True, text=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)

@@ -9,16 +9,18 @@ import json
 import os
 import re
 import shutil
+import subprocess
 
 import pytest
 import torch
 
 import fairseq_fsdp2  # noqa: F401  (allow-lists the classes fairseq pickles for torch.load)
 
-from conftest import PLUGIN, REPO, TINY_MODEL, TRAINING
+from conftest import PLUGIN, REPO, TINY_MODEL, TRAINING, tmpfs
 from launcher import run_ranks
 
 from fairseq_fsdp2.checkpoint.export import consolidate
+from fairseq_fsdp2.launch import precheck
 
 FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", "--num-workers", "0"]
 PROBES = str(REPO / "tests" / "probes")
@@ -157,6 +159,28 @@ CATALOGUE = {
         (1, ["--store-ema", "--ema-seed-model", "{good}"],
          "--ema-seed-model {good} holds no EMA (extra_state['ema']): was it trained with "
          "--store-ema?")],
+    "`--max-tokens 0` or `-5`, `--batch-size 0`, `--update-freq 0` (also `--max-tokens-valid`, "
+    "`--batch-size-valid`, `--required-batch-size-multiple`, `--log-interval`, "
+    "`--save-interval`, `--validate-interval`, `--max-source-positions`, "
+    "`--max-target-positions` below 1)": [
+        (1, [flag, value], f"{flag} must be >= 1, got {value}")
+        for flag, value in [("--max-tokens", "0"), ("--max-tokens", "-5"), ("--batch-size", "0"),
+                            ("--update-freq", "0")]],
+    "a negative `--max-update`, `--max-epoch`, `--lr`, `--warmup-updates` or `--num-workers`": [
+        (1, ["--max-update", "-3"], "--max-update must be >= 0 (0: no limit), got -3"),
+        (1, ["--lr", "0.1,-1"], "--lr must be >= 0, got 0.1,-1")],
+    "`--dropout`, `--attention-dropout` or `--activation-dropout` outside 0 to 1": [
+        (1, ["--dropout", "1.5"], "--dropout must be between 0 and 1, got 1.5")],
+    "a value of one of the plugin's flags out of its choices (`--fsdp2-root-reshard sometimes`, "
+    "with any backend), and in an FSDP2 run any flag's (`--optimizer adamm`) or an unknown "
+    "flag": [
+        (1, ["--fsdp2-root-reshard", "sometimes", *backend], "argument --fsdp2-root-reshard: "
+         "invalid choice: 'sometimes' (choose from 'default', 'always')")
+        for backend in ([], ["--ddp-backend", "legacy_ddp"])] + [
+        (1, ["--optimizer", "adamm"], "argument --optimizer: invalid choice: 'adamm' (choose "
+                                      "from 'adadelta', "),
+        (1, ["--fsdp2-root-reshrd", "always"], "unrecognized arguments: --fsdp2-root-reshrd "
+                                               "always")],
     "`--distributed-world-size 2` in one process (no torchrun) on CPU": [
         (0, ["--distributed-world-size", "2"], "--distributed-world-size 2 needs one process per "
                                                 "rank and there is CPU (--cpu or no GPU): start "
@@ -270,5 +294,76 @@ def test_bad_input_stops_with_one_line_and_writes_nothing(files, tmp_path, monke
         assert r.returncode == 2 and len(errors) == 1, f"rank {r.rank}:\n{r.output[-3000:]}"
         assert message in errors[0], errors[0]
         assert "Traceback" not in r.output and "begin training" not in r.output
+        assert "usage:" not in r.output  # argparse's, fairseq's 120 lines
     assert not list(tmp_path.glob("ckpt*"))
     assert before == {p: p.read_bytes() for p in before}
+
+
+def test_other_backends_keep_stock_fairseq_parse_errors(corpus):
+    """A bad value of a fairseq flag in a run of another backend: argparse's usage and error, as
+    stock fairseq prints them (only FSDP2 runs and the plugin's own flags get one line)."""
+    result, = run_ranks(1, lambda r: [corpus, "--user-dir", PLUGIN, "--ddp-backend", "legacy_ddp",
+                                      "--optimizer", "adamm"], timeout=120)
+    assert result.returncode == 2, result.output[-3000:]
+    assert "usage: " in result.output
+    assert "error: argument --optimizer: invalid choice: 'adamm'" in result.output
+    assert "fairseq_fsdp2: error:" not in result.output
+
+
+def test_train_sh_checks_the_command_line_before_torchrun(corpus, tmp_path):
+    """NPROC=2 scripts/train.sh with bad input: one line and exit status 2 from the check
+    before torchrun (no line per rank, no torchrun report), nothing written; a good command line
+    passes the same check and writes nothing either."""
+    save = tmp_path / "ckpt"
+    args = [corpus, *TINY_MODEL, *TRAINING, "--min-params-to-wrap", "1", "--max-update", "2",
+            "--save-dir", save]
+    result = subprocess.run(["bash", REPO / "scripts" / "train.sh", *args, "--max-tokens", "0"],
+                            env={**os.environ, "NPROC": "2"}, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert (result.stdout + result.stderr).splitlines() == [
+        "fairseq_fsdp2: error: --max-tokens must be >= 1, got 0"]
+    assert precheck.main(["2", *args, "--user-dir", PLUGIN, "--ddp-backend", "fsdp2"]) == 0
+    assert not save.exists()
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """An empty directory on a read-only file system (conftest.tmpfs)."""
+    with tmpfs(tmp_path / "read-only", "ro,size=64k") as path:
+        yield path
+
+
+@pytest.mark.parametrize("module, where, message", [
+    ("fairseq_fsdp2.consolidate", "{read_only}/out.pt",
+     "fairseq_fsdp2: error: cannot write {out}: {read_only} is not a writable directory"),
+    ("fairseq_fsdp2.consolidate", "{plain_file}/out.pt",
+     "fairseq_fsdp2: error: cannot write {out}: {plain_file} is not a writable directory"),
+    ("fairseq_fsdp2.consolidate", "{tmp}/no-such-dir/out.pt",
+     "fairseq_fsdp2: error: cannot write {out}: {tmp}/no-such-dir does not exist"),
+    ("fairseq_fsdp2.plot_memory", "{read_only}/memory.png", "fairseq_fsdp2.plot_memory: error: "
+     "cannot write {out}: {read_only} is not a writable directory"),
+    ("fairseq_fsdp2.data.prepare", "{read_only}/data", "prepare_data: error: destination {out} "
+     "cannot be written: {read_only} is not a writable directory")],
+    ids=["consolidate-read-only", "consolidate-under-a-file", "consolidate-missing-dir",
+         "plot-memory-read-only", "prepare-data-read-only"])
+def test_an_output_that_cannot_be_written_stops_before_reading(files, tmp_path, request,
+                                                                module, where, message):
+    """Our other commands: an output they cannot write is one line, exit status 2 (prepare_data:
+    1, as all its errors), before they read their input (the checkpoint, the memory log, the raw text); nothing is written."""
+    read_only = request.getfixturevalue("read_only_dir") if "read_only" in where else None
+    out = where.format(read_only=read_only, plain_file=files["plain_file"], tmp=tmp_path)
+    inputs = {"fairseq_fsdp2.consolidate": [files["good"]],
+              "fairseq_fsdp2.plot_memory": [tmp_path / "memory.jsonl"],  # never read
+              "fairseq_fsdp2.data.prepare": [files["corpus"].parent / "raw"]}[module]
+    before = files["good"].read_bytes()
+    result, = run_ranks(1, lambda r: [*inputs, out], module=module, torchrun_env=False,
+                        timeout=120)
+    errors = [l for l in result.output.splitlines() if ": error:" in l]
+    status = 1 if module == "fairseq_fsdp2.data.prepare" else 2  # as its other errors
+    assert result.returncode == status and errors == [
+        message.format(out=out, read_only=read_only, plain_file=files["plain_file"],
+                       tmp=tmp_path)], result.output[-3000:]
+    assert "Traceback" not in result.output
+    assert not os.path.exists(out) and files["good"].read_bytes() == before
+    assert read_only is None or not os.listdir(read_only)

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, tmpfs
 from launcher import finish_ranks, free_port, start_ranks, train_inner
 
 PROBES = str(REPO / "tests" / "probes")
@@ -187,6 +187,22 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(train_args, tmp_p
     results, _ = run(train_args, save_dir, updates=7, extra=extra)
     assert all(r.returncode == 0 for r in results), results[0].output[-3000:]
     assert resumed_at(results[0].output) == min(failed) - 3
+
+
+def test_a_full_disk_says_so_with_the_free_space(train_args, tmp_path):
+    """A real full disk: the save dir on a 64 KiB tmpfs, too small for the first save's shards.
+    Every rank's one line says the disk is full and how much its file system has free.
+    Skipped where mounting is not permitted."""
+    save_dir = tmp_path / "small-disk"
+    with tmpfs(save_dir, "size=64k"):
+        results, _ = run(train_args, save_dir, updates=4)
+    for r in results:
+        lines = [l for l in r.output.splitlines() if l.startswith("fairseq_fsdp2: error:")]
+        assert r.returncode == 1 and len(lines) == 1, r.output[-3000:]
+        assert re.fullmatch(rf"fairseq_fsdp2: error: saving the checkpoint of update 3 to "
+                            rf"{save_dir} failed on rank {r.rank}: no space left on device "
+                            rf"\({save_dir}'s file system has \d+\.\d MiB free\)( \(rank \d's "
+                            rf"write\))?; the previous checkpoints are intact", lines[0]), lines[0]
 
 
 @pytest.mark.parametrize("fault, expected", [

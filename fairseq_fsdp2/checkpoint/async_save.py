@@ -45,24 +45,27 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-from ..errors import SaveFailed, first_line
+from ..errors import SaveFailed, first_line, no_space_left
 from . import sharded
 
 logger = logging.getLogger(__name__)
 
-def describe_failure(error: BaseException) -> str:
+def describe_failure(error: BaseException, save_dir: Optional[str] = None) -> str:
     """What a failed save reports; for DCP's CheckpointException, which wraps each rank's
-    failure, the first failing rank's error."""
+    failure, the first failing rank's error. A full disk says so, with the free space of
+    ``save_dir``'s file system (errors.no_space_left)."""
+    full = no_space_left(error, save_dir) if save_dir else None
     if isinstance(error, CheckpointException) and error.failures:
         rank, (cause, _) = min(error.failures.items())
-        return f"{first_line(cause, 300)} (rank {rank}'s write)"
-    return first_line(error, 300)
+        return f"{full or first_line(cause, 300)} (rank {rank}'s write)"
+    return full or first_line(error, 300)
 
 
 def save_failed(update: int, save_dir: str, error: BaseException) -> SaveFailed:
     rank = dist.get_rank() if dist.is_initialized() else 0
     return SaveFailed(f"saving the checkpoint of update {update} to {save_dir} failed on rank "
-                      f"{rank}: {describe_failure(error)}; the previous checkpoints are intact")
+                      f"{rank}: {describe_failure(error, save_dir)}; the previous checkpoints "
+                      f"are intact")
 
 
 class ShardStager(AsyncStager):

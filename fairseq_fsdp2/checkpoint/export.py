@@ -18,7 +18,7 @@ import os
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, no_space_left
 from ..models.nllb import NLLB_SIZES
 from ..options import PLUGIN_OPTIONS
 from ..hf import nllb_weights as hf_nllb
@@ -98,7 +98,15 @@ def _write(state: dict, model: dict, out: str) -> str:
     result["model"] = model
     result["cfg"] = _stock_cfg(state.get("cfg"))
     tmp = out + ".tmp"
-    torch.save(result, tmp)
+    try:
+        torch.save(result, tmp)
+    except (OSError, RuntimeError) as e:  # torch.save's short write on a full disk: RuntimeError
+        full = no_space_left(e, os.path.dirname(os.path.abspath(out)))
+        if os.path.exists(tmp):
+            os.remove(tmp)  # nothing half-written left behind
+        if full:
+            raise OSError(f"cannot write {out}: {full}") from e
+        raise
     os.replace(tmp, out)
     return out
 

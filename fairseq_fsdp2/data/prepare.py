@@ -35,6 +35,7 @@ from typing import Optional, Sequence
 
 import sentencepiece as spm
 
+from ..errors import unwritable
 from ..hf.vocab import FILLER, dictionary_for
 from ..models.nllb_languages import NLLB200_LANGS
 from . import grow_vocab
@@ -88,6 +89,9 @@ def prepare(raw_dir: Path, dest: Path, *, lang_pairs: Optional[str] = None,
         raise PrepareError(f"destination {dest} exists and is not a directory")
     if dest.is_dir() and any(dest.iterdir()) and not overwrite:
         raise PrepareError(f"destination {dest} exists and is not empty (use --overwrite)")
+    problem = unwritable(str(dest.parent))  # DEST is built beside it, then renamed
+    if problem:
+        raise PrepareError(f"destination {dest} cannot be written: {problem}")
     for name, path in (("--spm-model", spm_model), ("--dict", dictionary),
                        ("--add-pieces", add_pieces)):
         if path is not None and not Path(path).is_file():

@@ -21,7 +21,7 @@ from hydra.core.config_store import ConfigStore
 
 from ..checkpoint.export import read_with_full_weights
 from ..checkpoint.safe_load import allow_fairseq_checkpoint_classes
-from ..launch import cli, lifecycle, run_context
+from ..launch import lifecycle, parse_errors, run_context
 from ..options import FSDP2DistributedTrainingConfig
 from ..sharding import meta_build
 from ..trainer.fsdp2_trainer import select_trainer
@@ -71,10 +71,13 @@ def install() -> None:
     #    the argparse.Namespace fairseq pickles. Allow-list it (never switch the safety off).
     allow_fairseq_checkpoint_classes()
 
-    # 5. Parsing: fairseq turns --bf16 into --tpu, so `--fp16 --bf16` fails with "Cannot
-    #    combine --fp16 and --tpu" and a traceback; FSDP2 runs get the real reason in one line.
+    # 5. Parsing: argparse prints fairseq's whole usage (about 120 lines) before a bad flag
+    #    value's error, and fairseq turns --bf16 into --tpu, so `--fp16 --bf16` fails with
+    #    "Cannot combine --fp16 and --tpu" and a traceback. FSDP2 runs, and a bad value of one of
+    #    the plugin's own flags in any run, get the real error alone in one line, exit status 2
+    #    (launch/parse_errors.py).
     fairseq.options.parse_args_and_arch = functools.wraps(fairseq.options.parse_args_and_arch)(
-        functools.partial(cli.parse_args_and_arch, fairseq.options.parse_args_and_arch))
+        functools.partial(parse_errors.parse_args_and_arch, fairseq.options.parse_args_and_arch))
 
     # 6. Model construction: fairseq builds the full model, randomly initialised, on every
     #    rank; for FSDP2 runs that load their weights it is built on the meta device instead

@@ -14,16 +14,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import NoReturn
+from typing import NoReturn, Optional
 
-from ..errors import FSDP2Error, OptionError
-from ..options import FSDP2_BACKEND, LEGACY_FSDP_BACKEND
+from ..errors import DEBUG_ENV, FSDP2Error, prints_bad_input
 
 #: ``python -m`` modules that are training commands
 ENTRY_MODULES = ("fairseq_cli.train", "fairseq_cli.hydra_train", "fairseq_fsdp2.hydra_train")
 #: console scripts that are training commands (pyproject.toml's and fairseq's)
 ENTRY_SCRIPTS = ("fairseq-train", "fairseq-hydra-train", "fairseq-fsdp2-hydra-train")
-DEBUG_ENV = "FAIRSEQ_FSDP2_DEBUG"  # set to 1 for tracebacks instead of one-line errors
 
 _started_by_plugin = False  # a rank spawn.py started: a process of the plugin's own
 
@@ -55,38 +53,18 @@ def _in_hydra_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def stop(error: FSDP2Error, owned: bool, *, leave_now: bool = False) -> NoReturn:
-    """Report ``error``: in a process the plugin owns, one line and its exit status (with
+def stop(error: FSDP2Error, owned: bool, *, leave_now: bool = False,
+         local_rank: Optional[int] = None) -> NoReturn:
+    """Report ``error``: in a process the plugin owns, one line and its exit status (bad input,
+    status 2, on one rank per machine: errors.prints_bad_input, given this ``local_rank``; with
     ``leave_now``, at once, without the interpreter's teardown: used only when other ranks may
     be stuck in a collective with this one, a lost rank); elsewhere raise it."""
     if not owned or os.environ.get(DEBUG_ENV):
         raise error
-    if not error.reported:
+    if not error.reported and (error.exit_status != 2 or prints_bad_input(local_rank)):
         print(f"fairseq_fsdp2: error: {error}", file=sys.stderr, flush=True)
     if leave_now:
         logging.shutdown()
         sys.stdout.flush()
         os._exit(error.exit_status)
     sys.exit(error.exit_status)
-
-
-def parse_args_and_arch(fairseq_parse, parser, input_args=None, *args, **kwargs):
-    """Stand-in for fairseq's options.parse_args_and_arch: the same, except that for FSDP2
-    runs fairseq's misleading parse-time error about --tpu names the real conflict."""
-    try:
-        return fairseq_parse(parser, input_args, *args, **kwargs)
-    except ValueError as e:
-        argv = sys.argv[1:] if input_args is None else list(input_args)
-        if "Cannot combine --fp16 and --tpu" not in str(e) or not _asks_for_fsdp2(argv):
-            raise
-        error = OptionError("--fp16 and --bf16 are mutually exclusive: choose one" if any(
-            a in argv for a in ("--bf16", "--memory-efficient-bf16"))
-            else "--tpu cannot be combined with --ddp-backend fsdp2")
-        stop(error, owns_process())
-
-
-def _asks_for_fsdp2(argv: list[str]) -> bool:
-    pairs = zip(argv, argv[1:] + [""])
-    return any(a == "--ddp-backend" and b in (FSDP2_BACKEND, LEGACY_FSDP_BACKEND) or
-               a in (f"--ddp-backend={FSDP2_BACKEND}", f"--ddp-backend={LEGACY_FSDP_BACKEND}")
-               for a, b in pairs)

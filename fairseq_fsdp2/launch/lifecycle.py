@@ -26,8 +26,8 @@ from typing import Optional
 import torch.distributed as dist
 
 from ..checkpoint.export import consolidate_at_end
-from ..errors import ExportFailed, FSDP2Error, OptionError, RankLostError, TrainingStopped, \
-    first_line
+from ..errors import DEBUG_ENV, ExportFailed, FSDP2Error, OptionError, RankLostError, \
+    TrainingStopped, first_line
 from . import cli, heartbeat, preflight, setup, spawn
 from .run_context import RunContext
 
@@ -65,7 +65,9 @@ def call_main(fairseq_call_main, cfg, main, **kwargs):
             run.close()
         if error is not e:
             error.__cause__ = e
-        cli.stop(error, owned, leave_now=lost)
+        dt = cfg.distributed_training  # its device_id: the rank on this machine, once known
+        cli.stop(error, owned, leave_now=lost,
+                 local_rank=dt.device_id if dt.distributed_init_method is not None else None)
     return None
 
 
@@ -73,7 +75,7 @@ def _explained(error: BaseException, cfg, run: Optional[RunContext]) -> Optional
     """The FSDP2Error that reports ``error``, or None to raise it as it is."""
     if isinstance(error, FSDP2Error):
         return error
-    if run is None or not isinstance(error, Exception) or os.environ.get(cli.DEBUG_ENV):
+    if run is None or not isinstance(error, Exception) or os.environ.get(DEBUG_ENV):
         return None
     missing_data = preflight.data_error(error, getattr(cfg.task, "data", None))
     if missing_data:
@@ -106,7 +108,7 @@ def _after_training(cfg, run: RunContext) -> None:
                                        cfg.checkpoint.checkpoint_suffix):
             logger.info(f"wrote consolidated checkpoint {path} (stock fairseq format)")
     except Exception as e:  # noqa: BLE001 - training is done; say how to export by hand
-        if os.environ.get(cli.DEBUG_ENV):
+        if os.environ.get(DEBUG_ENV):
             raise
         raise ExportFailed(
             f"training finished, but the consolidated export failed: {first_line(e, 300)}; "

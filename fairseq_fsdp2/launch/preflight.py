@@ -2,8 +2,9 @@
 
 ``check_launch`` runs before the process group exists: a world size that the processes on
 hand cannot form, a --save-dir that cannot be created, a --finetune-from-model that is not there
-(or a directory without Hugging Face weights). ``check_fairseq_flags``: fairseq flags FSDP2 runs
-do not serve, and an --ema-seed-model without an EMA. ``weights_will_be_loaded``: whether the
+(or a directory without Hugging Face weights). ``check_options``: the plugin's options and
+fairseq's flags (``check_fairseq_flags``: fairseq flags FSDP2 runs do not serve, an
+--ema-seed-model without an EMA, and fairseq numbers out of their range). ``weights_will_be_loaded``: whether the
 model can be built on the meta device. ``data_error`` turns fairseq's own errors
 for a data directory without the files asked for (raised while the task loads, on every rank
 alike) into one line.
@@ -11,14 +12,16 @@ alike) into one line.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Optional
 
 import torch
 
 from ..checkpoint import sharded
 from ..checkpoint.safe_load import read_checkpoint_file
-from ..errors import CheckpointError, OptionError, first_line
+from ..errors import CheckpointError, OptionError, first_line, unwritable
 from ..hf.nllb_weights import INDEX, WEIGHTS, is_hf_source
+from ..options import validate
 
 def check_launch(cfg, *, launched_per_rank: bool, on_cuda: bool) -> None:
     """Raise OptionError for a run that cannot start as asked."""
@@ -38,13 +41,9 @@ def check_launch(cfg, *, launched_per_rank: bool, on_cuda: bool) -> None:
     if source and not os.path.exists(source):  # fairseq would stop later with a traceback
         raise OptionError(f"--finetune-from-model not found: {source}")
     save_dir = cfg.checkpoint.save_dir
-    if not cfg.checkpoint.no_save:
-        existing = os.path.abspath(save_dir)
-        while not os.path.exists(existing):
-            existing = os.path.dirname(existing)
-        if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
-            raise OptionError(f"--save-dir {save_dir} cannot be written: {existing} is not a "
-                              f"writable directory")
+    problem = None if cfg.checkpoint.no_save else unwritable(save_dir)
+    if problem:
+        raise OptionError(f"--save-dir {save_dir} cannot be written: {problem}")
 
 
 def weights_will_be_loaded(cfg) -> bool:
@@ -61,8 +60,63 @@ def weights_will_be_loaded(cfg) -> bool:
 
 
 
+#: fairseq's numeric flags that fairseq takes without a look and then trips over (a traceback
+#: mid-run, a crash of its C code, or a run that stops at once having done nothing): (config
+#: group, key, flag, least value, most value or None, what 0 means where it is allowed)
+NUMBER_RANGES = (
+    ("dataset", "max_tokens", "--max-tokens", 1, None, ""),
+    ("dataset", "batch_size", "--batch-size", 1, None, ""),
+    ("dataset", "max_tokens_valid", "--max-tokens-valid", 1, None, ""),
+    ("dataset", "batch_size_valid", "--batch-size-valid", 1, None, ""),
+    ("dataset", "required_batch_size_multiple", "--required-batch-size-multiple", 1, None, ""),
+    ("dataset", "num_workers", "--num-workers", 0, None, ""),
+    ("dataset", "validate_interval", "--validate-interval", 1, None, ""),
+    ("optimization", "update_freq", "--update-freq", 1, None, ""),
+    ("optimization", "max_update", "--max-update", 0, None, " (0: no limit)"),
+    ("optimization", "max_epoch", "--max-epoch", 0, None, " (0: no limit)"),
+    ("optimization", "lr", "--lr", 0, None, ""),
+    ("common", "log_interval", "--log-interval", 1, None, ""),
+    ("checkpoint", "save_interval", "--save-interval", 1, None, ""),
+    ("lr_scheduler", "warmup_updates", "--warmup-updates", 0, None, ""),
+    ("task", "max_source_positions", "--max-source-positions", 1, None, ""),
+    ("task", "max_target_positions", "--max-target-positions", 1, None, ""),
+    ("model", "dropout", "--dropout", 0, 1, ""),
+    ("model", "attention_dropout", "--attention-dropout", 0, 1, ""),
+    ("model", "activation_dropout", "--activation-dropout", 0, 1, ""),
+)
+
+
+def check_numbers(cfg) -> None:
+    """Raise OptionError for a fairseq number out of its range (NUMBER_RANGES), naming the
+    flag, its range and the value given. None (not given) and absent keys pass."""
+    for group, key, flag, least, most, zero in NUMBER_RANGES:
+        given = getattr(getattr(cfg, group, None), key, None)
+        several = isinstance(given, Sequence) and not isinstance(given, str)  # --lr 0.1,0.01
+        for value in given if several else [given]:
+            if not isinstance(value, (int, float)) or least <= value and (
+                    most is None or value <= most):
+                continue
+            shown = ",".join(f"{v:g}" for v in given) if several else f"{value:g}"
+            wanted = f"between {least} and {most}" if most is not None else f">= {least}"
+            raise OptionError(f"{flag} must be {wanted}{zero}, got {shown}")
+
+
+def check_options(cfg) -> None:
+    """Raise OptionError for bad options of an FSDP2 run, once its world size is known: the
+    plugin's (options.validate) and fairseq's flags (check_fairseq_flags)."""
+    dt = cfg.distributed_training
+    validate(dt, min_params_to_wrap=getattr(cfg.model, "min_params_to_wrap", 0),
+             fp16=cfg.common.fp16, bf16=cfg.common.bf16,
+             world_size=dt.distributed_world_size,
+             optimizer=getattr(cfg.optimizer, "_name", None),  # a Namespace for some
+             fp16_adam_stats=bool(getattr(cfg.optimizer, "fp16_adam_stats", False)))
+    check_fairseq_flags(cfg)
+
+
 def check_fairseq_flags(cfg) -> None:
-    """Raise OptionError for a fairseq flag FSDP2 runs do not serve (each says why)."""
+    """Raise OptionError for a fairseq flag FSDP2 runs do not serve (each says why), or a
+    fairseq number out of its range (check_numbers)."""
+    check_numbers(cfg)
     dt = cfg.distributed_training
     if cfg.common.amp:
         raise OptionError("--amp cannot be combined with --ddp-backend fsdp2: use --fp16 or "

@@ -23,7 +23,7 @@ from fairseq.distributed import utils as fairseq_distributed_utils
 from omegaconf import open_dict
 
 from ..errors import OptionError, RankLostError, first_line
-from ..options import FSDP2_BACKEND, LEGACY_FSDP_BACKEND, validate
+from ..options import FSDP2_BACKEND, LEGACY_FSDP_BACKEND
 from . import preflight, run_context, sigterm, slurm, torchrun
 from .run_context import RunContext
 
@@ -58,12 +58,7 @@ def set_up_run(cfg) -> Optional[RunContext]:
     if dt.distributed_init_method is None and dt.distributed_world_size > 1:
         # several GPUs, one process: fairseq's own single-node settings; spawn() starts the ranks
         fairseq_distributed_utils.infer_init_method(dt)
-    validate(dt, min_params_to_wrap=getattr(cfg.model, "min_params_to_wrap", 0),
-             fp16=cfg.common.fp16, bf16=cfg.common.bf16,
-             world_size=dt.distributed_world_size,
-             optimizer=getattr(cfg.optimizer, "_name", None),  # a Namespace for some
-             fp16_adam_stats=bool(getattr(cfg.optimizer, "fp16_adam_stats", False)))
-    preflight.check_fairseq_flags(cfg)
+    preflight.check_options(cfg)
     background_saves = bool(dt.distributed_no_spawn
                             and cfg.checkpoint.write_checkpoints_asynchronously)
     if background_saves:

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from ..checkpoint import async_save, sharded
 from ..checkpoint.export import read_full_model
-from ..errors import CheckpointError
+from ..errors import CheckpointError, no_space_left
 from ..launch import run_context
 from ..checkpoint.full_state import broadcast_full_model
 from ..checkpoint.grow_embedding import checkpoint_dictionary, grown as grow_embedding, \
@@ -107,11 +107,13 @@ class TrainerCheckpoints:
     def _save_errors_reported(self):
         """A failed write (disk full, unwritable directory) stops training with one line;
         shards and files are written under temporary names, so earlier checkpoints are intact."""
+        save_dir = self.cfg.checkpoint.save_dir
         try:
             yield
-        except (OSError, CheckpointException) as e:
-            raise async_save.save_failed(self.get_num_updates(), self.cfg.checkpoint.save_dir,
-                                         e) from e
+        except (OSError, CheckpointException, RuntimeError) as e:
+            if isinstance(e, RuntimeError) and not no_space_left(e, save_dir):
+                raise  # not a write that failed (torch.save's short write: a RuntimeError)
+            raise async_save.save_failed(self.get_num_updates(), save_dir, e) from e
 
     def state_dict(self):
         if self._shards is None:

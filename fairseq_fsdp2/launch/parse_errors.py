@@ -1,0 +1,78 @@
+"""fairseq's command-line parse errors in one line (integration/registration.py's patch 10).
+
+argparse answers a bad flag value (``--fsdp2-root-reshard sometimes``), an unknown flag or a
+missing argument with fairseq's whole usage, about 120 lines, before the error itself. FSDP2 runs
+(the last ``--ddp-backend`` is ``fsdp2`` or ``fully_sharded``), and any run with a bad value of
+one of the plugin's own flags, get the error alone, as every other bad input:
+``fairseq_fsdp2: error: argument --fsdp2-root-reshard: invalid choice: 'sometimes' (choose from
+'default', 'always')``, exit status 2, printed by one rank per machine (errors.prints_bad_input).
+Runs of other backends keep stock fairseq's output; FAIRSEQ_FSDP2_DEBUG=1 too.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from typing import Sequence
+
+from ..errors import DEBUG_ENV, prints_bad_input
+from ..options import PLUGIN_OPTIONS, SERVED_BACKENDS
+
+#: the plugin's own flags (options.PLUGIN_OPTIONS as argparse spells them)
+PLUGIN_FLAGS = frozenset("--" + key.replace("_", "-") for key in PLUGIN_OPTIONS)
+
+
+def asks_for_fsdp2(argv: Sequence[str]) -> bool:
+    """Whether a fairseq command line trains with FSDP2: its last ``--ddp-backend`` (the one
+    argparse keeps; scripts/train.sh puts its own first) is fsdp2 or fully_sharded."""
+    backend = None
+    for flag, value in zip(argv, [*argv[1:], None]):
+        if flag == "--ddp-backend":
+            backend = value
+        elif flag.startswith("--ddp-backend="):
+            backend = flag.split("=", 1)[1]
+    return backend in SERVED_BACKENDS
+
+
+def names_plugin_flag(message: str) -> bool:
+    """Whether argparse's error message is about one of the plugin's flags."""
+    found = re.match(r"argument ([^:]+):", message)
+    return bool(found) and any(flag in PLUGIN_FLAGS for flag in found.group(1).split("/"))
+
+
+def one_line(argv: Sequence[str], message: str) -> bool:
+    """Whether argparse's error ``message`` for command line ``argv`` is reported in one line."""
+    return not os.environ.get(DEBUG_ENV) and (asks_for_fsdp2(argv) or names_plugin_flag(message))
+
+
+def stop(message: str) -> None:
+    """Bad input: one line (on one rank per machine), exit status 2."""
+    if prints_bad_input():
+        print(f"fairseq_fsdp2: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def parse_args_and_arch(fairseq_parse, parser, input_args=None, *args, **kwargs):
+    """Stand-in for fairseq's ``options.parse_args_and_arch``: the same, with ``parser``'s
+    errors in one line where ``one_line`` says so, and for FSDP2 runs the real conflict behind
+    fairseq's parse-time "Cannot combine --fp16 and --tpu" (fairseq turns --bf16 into --tpu)."""
+    argv = sys.argv[1:] if input_args is None else [str(a) for a in input_args]
+    stock_error = parser.error
+
+    def error(message: str):
+        if not one_line(argv, message):
+            stock_error(message)
+        stop(message)
+
+    parser.error = error  # argparse reports through self.error
+    try:
+        return fairseq_parse(parser, input_args, *args, **kwargs)
+    except ValueError as e:
+        if "Cannot combine --fp16 and --tpu" not in str(e) or not asks_for_fsdp2(argv) \
+                or os.environ.get(DEBUG_ENV):
+            raise
+        stop("--fp16 and --bf16 are mutually exclusive: choose one" if any(
+            a in argv for a in ("--bf16", "--memory-efficient-bf16"))
+            else "--tpu cannot be combined with --ddp-backend fsdp2")
+    finally:
+        del parser.error

@@ -25,18 +25,23 @@ import sys
 from .integration.hydra_config import (PROG, HydraConfigError, add_defaults_or_exit,
                                        check_fixed_group_overrides)
 from .integration.registration import install_hydra_add_defaults
+from .launch import quiet
 
 
 def cli_main() -> None:
-    from fairseq_cli import hydra_train  # what it imports is needed only here
-
+    quiet.no_debug_log()
     try:
         check_fixed_group_overrides(sys.argv[1:])
     except HydraConfigError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
-    install_hydra_add_defaults(add_defaults_or_exit)
-    hydra_train.cli_main()
+    # fairseq's hydra main (no version_base, Hydra 1.0 config layout: deprecation notices at
+    # its import and when it runs) with hydra's notices about it silenced (launch/quiet.py)
+    with quiet.silenced(quiet.HYDRA_DEPRECATIONS):
+        from fairseq_cli import hydra_train  # what it imports is needed only here
+
+        install_hydra_add_defaults(add_defaults_or_exit)
+        hydra_train.cli_main()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import sys
 from typing import Optional, Sequence
 
 from .memory.charts import plot_memory_log, read_memory_log
+from .launch import quiet
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -33,4 +34,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
+    quiet.no_debug_log()
     sys.exit(main())

@@ -11,6 +11,7 @@ import os
 import sys
 
 import fairseq.checkpoint_utils
+import fairseq.dataclass.utils as fairseq_dataclass_utils
 import fairseq.distributed.utils as fairseq_distributed_utils
 import fairseq.file_io
 import fairseq.options
@@ -22,6 +23,7 @@ from hydra.core.config_store import ConfigStore
 from ..checkpoint import async_save
 from ..checkpoint.export import read_with_full_weights
 from ..checkpoint.safe_load import allow_fairseq_checkpoint_classes
+from ..launch import quiet
 from ..launch import run as launch
 from ..options import FSDP2DistributedTrainingConfig
 from ..sharding import meta_build
@@ -104,6 +106,15 @@ def install() -> None:
     #    made before then is written with it instead.
     fairseq.file_io.PathManager.copy = staticmethod(
         functools.partial(async_save.copy_when_written, fairseq.file_io.PathManager.copy))
+
+    # 10. Quiet config building: every fairseq command (fairseq-train, -generate, the hub,
+    #     reading an old checkpoint) builds its config with hydra.experimental's initialize and
+    #     compose(strict=False) over config files written for Hydra 1.0, and Hydra 1.3 prints
+    #     about 20 lines of deprecation notices each time, about fairseq's code, which the user
+    #     cannot act on. Silence exactly those (launch/quiet.py), during these two calls only.
+    fairseq_dataclass_utils.initialize = quiet.hydra_initialize_silenced(
+        fairseq_dataclass_utils.initialize)
+    fairseq_dataclass_utils.compose = quiet.hydra_calls_silenced(fairseq_dataclass_utils.compose)
 
 
 def _meta_aware(fairseq_build_model):

@@ -35,7 +35,7 @@ def run_output(corpus, tmp_path_factory) -> str:
     save = tmp_path_factory.mktemp("quiet") / "ckpt"
     args = train_args_for(corpus, save, "--ddp-backend", "fsdp2", "--min-params-to-wrap", "1",
                           "--fsdp2-root-reshard", "always", "--loss-chunk-tokens", "64",
-                          updates=2)
+                          save=True, updates=2)
     args[args.index("label_smoothed_cross_entropy")] = "label_smoothed_cross_entropy_chunked"
     output = ok(run_ranks(1, lambda rank: args))
     assert len(train_inner(output)) == 2, output[-3000:]
@@ -54,23 +54,30 @@ def test_a_run_prints_no_warning(run_output):
 
 
 def test_the_run_filters_are_exact_and_removed_after():
-    before = list(warnings.filters)
     view = ("FSDP2-wrapped module (FSDPTransformerDecoderLayerBase) returned a view tensor. "
             "An in-place op on this view ...")
     torch_module = "torch.distributed.fsdp._fully_shard._fsdp_state"
 
-    def shown(message, module):
+    def shown(message, module, silenced: bool) -> bool:
+        """Whether the warning reaches the user: every warning shown, except through the run's
+        filters when they are installed (independent of the filters pytest runs under)."""
         with warnings.catch_warnings(record=True) as caught:
-            warnings.filterwarnings("always", append=True)  # behind the run's filters
+            warnings.resetwarnings()
+            warnings.simplefilter("always")
+            if silenced:
+                quiet.install()
             warnings.warn_explicit(message, UserWarning, "x.py", 1, module=module, registry={})
         return bool(caught)
 
+    assert shown(view, torch_module, silenced=False)
+    assert not shown(view, torch_module, silenced=True)
+    assert shown(view, "someone.else", silenced=True)  # the same words from another module
+    assert shown(view.replace("FSDPTransformerDecoderLayerBase", "FSDPMyLayer"), torch_module,
+                 silenced=True)  # a unit whose outputs were not examined
+    before = list(warnings.filters)
     with quiet.silenced():
-        assert not shown(view, torch_module)
-        assert shown(view, "someone.else")  # the same words from another module
-        assert shown(view.replace("FSDPTransformerDecoderLayerBase", "FSDPMyLayer"), torch_module)
-    assert warnings.filters == before
-    assert shown(view, torch_module)
+        assert len(warnings.filters) == len(before) + len(quiet.RUN_WARNINGS)
+    assert warnings.filters == before  # exactly what it added is gone, nothing else
 
 
 def command(module: str, *args) -> str:

@@ -14,8 +14,10 @@ import fairseq.checkpoint_utils
 import fairseq.dataclass.utils as fairseq_dataclass_utils
 import fairseq.distributed.utils as fairseq_distributed_utils
 import fairseq.file_io
+import fairseq.hub_utils
 import fairseq.options
 import fairseq.tasks
+import fairseq.tasks.translation_multi_simple_epoch
 import fairseq_cli.train
 from fairseq.dataclass import configs as fairseq_configs
 from hydra.core.config_store import ConfigStore
@@ -28,6 +30,7 @@ from ..launch import run as launch
 from ..options import FSDP2DistributedTrainingConfig
 from ..sharding import meta_build
 from ..trainer.fsdp2_trainer import select_trainer
+from . import hub
 
 _installed = False
 
@@ -115,6 +118,17 @@ def install() -> None:
     fairseq_dataclass_utils.initialize = quiet.hydra_initialize_silenced(
         fairseq_dataclass_utils.initialize)
     fairseq_dataclass_utils.compose = quiet.hydra_calls_silenced(fairseq_dataclass_utils.compose)
+
+    # 11. The hub with NLLB's task (integration/hub.py): fairseq's GeneratorHubInterface passes
+    #     prefix_allowed_tokens_fn to the task's build_generator, which
+    #     translation_multi_simple_epoch's override does not take (TypeError on every
+    #     translate()), and its text keeps the target language tag the task forces as the first
+    #     token (fairseq-generate strips it, the hub does not). Take the keyword; make
+    #     from_pretrained's hub (looked up in fairseq.hub_utils when called) strip the tag.
+    multilingual = fairseq.tasks.translation_multi_simple_epoch.TranslationMultiSimpleEpochTask
+    multilingual.build_generator = hub.build_generator_taking_prefix_fn(
+        multilingual.build_generator)
+    fairseq.hub_utils.GeneratorHubInterface = hub.LanguageTagHub
 
 
 def _meta_aware(fairseq_build_model):

@@ -114,7 +114,8 @@ def install() -> None:
     #     reading an old checkpoint) builds its config with hydra.experimental's initialize and
     #     compose(strict=False) over config files written for Hydra 1.0, and Hydra 1.3 prints
     #     about 20 lines of deprecation notices each time, about fairseq's code, which the user
-    #     cannot act on. Silence exactly those (launch/quiet.py), during these two calls only.
+    #     cannot act on. Silence exactly those (launch/quiet.py), during these two calls only
+    #     (initialize's config_path is relative to its caller: one frame more, said to hydra).
     fairseq_dataclass_utils.initialize = quiet.hydra_initialize_silenced(
         fairseq_dataclass_utils.initialize)
     fairseq_dataclass_utils.compose = quiet.hydra_calls_silenced(fairseq_dataclass_utils.compose)

@@ -15,6 +15,7 @@ import sys
 
 from .checkpoint.export import consolidate
 from .errors import CheckpointError, unwritable
+from .launch import quiet
 
 
 def main(argv=None) -> int:
@@ -59,4 +60,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    quiet.no_debug_log()
     sys.exit(main())

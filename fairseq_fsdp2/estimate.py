@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 from .estimator import from_args
 from .estimator.fit import largest_max_tokens
 from .estimator.peak import Estimate, format_summary
+from .launch import quiet
 
 
 def estimate_args(argv: Sequence[str]) -> list[Estimate]:
@@ -50,4 +51,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
+    quiet.no_debug_log()
     sys.exit(main())

@@ -31,6 +31,7 @@ import hydra
 from .integration.hydra_config import (PROG, HydraConfigError, add_defaults_or_exit,
                                        check_fixed_group_overrides)
 from .integration.registration import install_hydra_add_defaults, install_hydra_main
+from .launch import quiet
 
 
 #: fairseq's own config directory, where fairseq's hydra main looks for config.yaml
@@ -45,18 +46,23 @@ def hydra_main(cfg) -> float:
 
 
 def cli_main() -> None:
-    from fairseq_cli import hydra_train  # what it imports is needed only here
-
+    quiet.no_debug_log()
     try:
         check_fixed_group_overrides(sys.argv[1:])
     except HydraConfigError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
-    install_hydra_add_defaults(add_defaults_or_exit)
-    # fairseq's decorator, less its missing version_base (hydra's 1.1 defaults, as fairseq gets)
-    install_hydra_main(hydra.main(config_path=FAIRSEQ_CONFIG, config_name="config",
-                                  version_base="1.1")(hydra_main))
-    hydra_train.cli_main()
+    # fairseq's hydra main (Hydra 1.0 config layout: deprecation notices at its import and
+    # when it runs) with hydra's notices about it silenced (launch/quiet.py)
+    with quiet.silenced(quiet.HYDRA_DEPRECATIONS):
+        from fairseq_cli import hydra_train  # what it imports is needed only here
+
+        install_hydra_add_defaults(add_defaults_or_exit)
+        # fairseq's decorator, less its missing version_base (hydra's 1.1 defaults, as fairseq
+        # gets) and returning the job's result
+        install_hydra_main(hydra.main(config_path=FAIRSEQ_CONFIG, config_name="config",
+                                      version_base="1.1")(hydra_main))
+        hydra_train.cli_main()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 from .errors import unwritable
 from .memory.charts import plot_memory_log, read_memory_log
+from .launch import quiet
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -40,4 +41,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
+    quiet.no_debug_log()
     sys.exit(main())

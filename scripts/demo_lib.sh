@@ -11,7 +11,7 @@ demo_begin() {
   step 1 "environment (scripts/setup.sh)"
   bash "$demo_root/scripts/setup.sh"
   py="$demo_root/.venv/bin/python"
-  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
   rm -rf "$1"
   mkdir -p "$1"
 }

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -151,7 +152,13 @@ def full_tensors(checkpoint: str, state: dict, entry: str) -> dict:
                if key.startswith(prefix) and key[len(prefix):] not in info["aliases"]}
     if not tensors:
         raise CheckpointError(f"{checkpoint}: its shards hold no {entry!r} entry")
-    dcp.load({entry: tensors}, checkpoint_id=shard_dir, no_dist=True)
+    with warnings.catch_warnings():
+        # torch warns that it assumes a single-process load even when told so (no_dist=True)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable "
+                                "or uninitialized, assuming the intent is to load in a single "
+                                "process", category=UserWarning,
+                                module=r"torch\.distributed\.checkpoint\.")
+        dcp.load({entry: tensors}, checkpoint_id=shard_dir, no_dist=True)
     for alias, canonical in info["aliases"].items():
         tensors[alias] = tensors[canonical]
     return tensors

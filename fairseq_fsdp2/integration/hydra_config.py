@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import warnings
 from enum import Enum
 from typing import Optional
 
@@ -27,14 +26,6 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 PROG = "fairseq_fsdp2"  # errors read "fairseq_fsdp2: error: ...", as from fairseq-train
 LEGACY_GROUPS = ("task", "model")
-
-# fairseq's hydra setup (schema stored under the config's name, cwd handling) predates
-# Hydra 1.1; these deprecation warnings are about fairseq's layout, not the user's config.
-for _message in ("(?s).*is validated against ConfigStore schema",
-                 "(?s).*will no longer change working directory",
-                 "(?s).*deprecated keyword in package header",
-                 "(?s).*version_base parameter is not specified"):
-    warnings.filterwarnings("ignore", message=_message, category=UserWarning)
 
 
 class HydraConfigError(Exception):

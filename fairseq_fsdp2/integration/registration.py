@@ -11,20 +11,24 @@ import os
 import sys
 
 import fairseq.checkpoint_utils
+import fairseq.dataclass.utils as fairseq_dataclass_utils
 import fairseq.distributed.utils as fairseq_distributed_utils
 import fairseq.file_io
+import fairseq.hub_utils
 import fairseq.options
 import fairseq.tasks
+import fairseq.tasks.translation_multi_simple_epoch
 import fairseq_cli.train
 from fairseq.dataclass import configs as fairseq_configs
 from hydra.core.config_store import ConfigStore
 
 from ..checkpoint.export import read_with_full_weights
 from ..checkpoint.safe_load import allow_fairseq_checkpoint_classes
-from ..launch import lifecycle, parse_errors, run_context
+from ..launch import lifecycle, parse_errors, quiet, run_context
 from ..options import FSDP2DistributedTrainingConfig
 from ..sharding import meta_build
 from ..trainer.fsdp2_trainer import select_trainer
+from . import hub
 
 _installed = False
 
@@ -103,6 +107,27 @@ def install() -> None:
     fairseq.checkpoint_utils.load_checkpoint_to_cpu = functools.wraps(
         fairseq.checkpoint_utils.load_checkpoint_to_cpu)(functools.partial(
             read_with_full_weights, fairseq.checkpoint_utils.load_checkpoint_to_cpu))
+
+    # 9. Quiet config building: every fairseq command (fairseq-train, -generate, the hub,
+    #    reading an old checkpoint) builds its config with hydra.experimental's initialize and
+    #    compose(strict=False) over config files written for Hydra 1.0, and Hydra 1.3 prints
+    #    about 20 lines of deprecation notices each time, about fairseq's code, which the user
+    #    cannot act on. Silence exactly those (launch/quiet.py), during these two calls only
+    #    (initialize's config_path is relative to its caller: one frame more, said to hydra).
+    fairseq_dataclass_utils.initialize = quiet.hydra_initialize_silenced(
+        fairseq_dataclass_utils.initialize)
+    fairseq_dataclass_utils.compose = quiet.hydra_calls_silenced(fairseq_dataclass_utils.compose)
+
+    # 10. The hub with NLLB's task (integration/hub.py): fairseq's GeneratorHubInterface passes
+    #    prefix_allowed_tokens_fn to the task's build_generator, which
+    #    translation_multi_simple_epoch's override does not take (TypeError on every
+    #    translate()), and its text keeps the target language tag the task forces as the first
+    #    token (fairseq-generate strips it, the hub does not). Take the keyword; make
+    #    from_pretrained's hub (looked up in fairseq.hub_utils when called) strip the tag.
+    multilingual = fairseq.tasks.translation_multi_simple_epoch.TranslationMultiSimpleEpochTask
+    multilingual.build_generator = hub.build_generator_taking_prefix_fn(
+        multilingual.build_generator)
+    fairseq.hub_utils.GeneratorHubInterface = hub.LanguageTagHub
 
 
 def _meta_aware(fairseq_build_model):

@@ -1,4 +1,4 @@
-"""fairseq's command-line parse errors in one line (integration/registration.py's patch 10).
+"""fairseq's command-line parse errors in one line (integration/registration.py's patch 5).
 
 argparse answers a bad flag value (``--fsdp2-root-reshard sometimes``), an unknown flag or a
 missing argument with fairseq's whole usage, about 120 lines, before the error itself. FSDP2 runs

@@ -10,7 +10,8 @@ What a run holds while it lasts, and what closing it undoes:
 - the heartbeat thread (heartbeat.py), stopped and joined: a daemon thread left inside a store
   call at interpreter exit aborts the process (heartbeat.Heartbeat says why);
 - the SIGTERM handler (sigterm.py), the previous one restored;
-- the warning filters the run adds, the caller's restored;
+- the warning filters the run adds (quiet.RUN_WARNINGS: warnings that are expected while all
+  is well, each with its reason), removed again, the caller's own untouched;
 - the process group, destroyed if the run opened it, and fairseq's cached global group, which
   would point at the destroyed group in the next run.
 
@@ -25,7 +26,6 @@ import itertools
 import logging
 import signal
 import threading
-import warnings
 from typing import Optional
 
 import torch.distributed as dist
@@ -33,7 +33,7 @@ from fairseq.distributed import utils as fairseq_distributed_utils
 
 from ..checkpoint.async_save import BackgroundSaves
 from ..errors import OptionError
-from . import heartbeat
+from . import heartbeat, quiet
 from .heartbeat import Heartbeat
 
 logger = logging.getLogger(__name__)
@@ -57,8 +57,7 @@ class RunContext:
         self.owns_group = not (dist.is_available() and dist.is_initialized())
         self._sigterm: Optional[object] = None  # the handler before the run's, to restore
         self._sigterm_set = False
-        self._warnings = warnings.catch_warnings()
-        self._warnings.__enter__()  # the caller's filters, restored by close()
+        self._quiet = quiet.install(quiet.RUN_WARNINGS)  # exactly these, removed by close()
         self.closed = False
 
     def start_heartbeat(self, rank: int, world_size: int) -> Optional[Heartbeat]:
@@ -101,7 +100,7 @@ class RunContext:
             if self._sigterm_set:
                 signal.signal(signal.SIGTERM, self._sigterm)
         finally:
-            self._warnings.__exit__(None, None, None)
+            quiet.remove(self._quiet)
             if _current is self:
                 _current = None
 

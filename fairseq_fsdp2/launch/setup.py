@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import warnings
 from datetime import timedelta
 from typing import Optional
 
@@ -144,9 +143,8 @@ def _init_process_group(cfg, run: RunContext) -> None:
             f"rank {dt.distributed_rank} could not meet the other ranks at "
             f"{dt.distributed_init_method}{within} (a rank died or never started): "
             f"{first_line(e)}") from e
-    # fairseq's distributed_init then warns that the group exists: expected here (the run
-    # context restores the caller's warning filters when the run ends)
-    warnings.filterwarnings("ignore", message="Distributed is already initialized")
+    # fairseq's distributed_init then warns that the group exists: expected here (silenced for
+    # the run: quiet.RUN_WARNINGS)
 
 
 def _free_port() -> int:

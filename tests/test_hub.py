@@ -1,0 +1,90 @@
+"""fairseq's hub on what an NLLB-style FSDP2 run wrote (integration/hub.py, patch 10):
+``TransformerModel.from_pretrained(...).translate(...)`` with ``translation_multi_simple_epoch``
+on the consolidated export and on the sharded checkpoint gives stock ``fairseq-generate``'s
+translations (no plugin in that process), without the target language tag.
+
+One tiny run (1 process, the numbers corpus, 40 updates): its translations are poor, which does
+not matter here: the hub must give, token for token, what fairseq-generate gives. Both decode one
+sentence at a time (batch size 1), so that no batch's padding changes a float.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from conftest import PLUGIN
+from launcher import ok, run_command, run_ranks
+
+from fairseq_fsdp2.data import numbers
+from fairseq_fsdp2.data.prepare import prepare
+
+PAIRS = [("eng_Latn", "fra_Latn"), ("eng_Latn", "deu_Latn")]
+N_TEST = 6
+GENERATION = {"beam": 2, "max_len_b": 12}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hub")
+    numbers.write_corpus(root / "raw", PAIRS, n_train=300, n_valid=10, n_test=N_TEST, seed=2)
+    data = prepare(root / "raw", root / "data", vocab_size=120, log=lambda *a: None)
+    save = root / "ckpt"
+    args = [data, "--user-dir", PLUGIN, "--ddp-backend", "fsdp2", "--min-params-to-wrap", 1,
+            "--task", "translation_multi_simple_epoch", "--arch", "transformer_nllb_tiny",
+            "--lang-pairs", ",".join(f"{s}-{t}" for s, t in PAIRS),
+            "--langs", (data / "langs.txt").read_text().strip(),
+            "--encoder-langtok", "src", "--decoder-langtok", "--optimizer", "adam", "--lr",
+            "3e-3", "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+            "--max-tokens", 2000, "--max-update", 40, "--seed", 1, "--cpu", "--num-workers", 0,
+            "--disable-validation", "--no-epoch-checkpoints", "--no-progress-bar",
+            "--save-dir", save]
+    ok(run_ranks(1, lambda rank: [str(a) for a in args]))
+    return root, data, save
+
+
+def stock_generate(data, checkpoint) -> list[str]:
+    """fairseq-generate's detokenized translations of the eng->fra test set, in order."""
+    result = run_command(
+        "fairseq_cli.generate", data, "--path", checkpoint,
+        "--task", "translation_multi_simple_epoch", "--source-lang", "eng_Latn",
+        "--target-lang", "fra_Latn", "--lang-pairs", ",".join(f"{s}-{t}" for s, t in PAIRS),
+        "--langs", (data / "langs.txt").read_text().strip(), "--encoder-langtok", "src",
+        "--decoder-langtok", "--gen-subset", "test", "--beam", GENERATION["beam"],
+        "--max-len-b", GENERATION["max_len_b"], "--batch-size", 1,
+        "--required-batch-size-multiple", 1, "--cpu", "--num-workers", 0,
+        "--remove-bpe", "sentencepiece")
+    assert result.returncode == 0, result.output[-3000:]
+    found = {int(m[1]): m[2] for m in re.finditer(r"^D-(\d+)\t\S+\t(.*)$", result.output, re.M)}
+    assert sorted(found) == list(range(N_TEST)), result.output[-3000:]
+    return [found[i] for i in range(N_TEST)]
+
+
+def hub(save, data, checkpoint_file, target_lang="fra_Latn"):
+    from fairseq.models.transformer import TransformerModel
+    return TransformerModel.from_pretrained(
+        str(save), checkpoint_file=checkpoint_file, data_name_or_path=str(data),
+        task="translation_multi_simple_epoch", source_lang="eng_Latn", target_lang=target_lang,
+        bpe="sentencepiece", sentencepiece_model=str(data / "spm.model"))
+
+
+def translate(model, sentences) -> list[str]:
+    return [model.translate(s, **GENERATION) for s in sentences]
+
+
+def test_hub_translates_an_export_and_a_sharded_checkpoint_as_fairseq_generate(run):
+    root, data, save = run
+    sources = (root / "raw" / "test.eng_Latn-fra_Latn.eng_Latn").read_text().splitlines()
+    expected = stock_generate(data, save / "checkpoint_last_consolidated.pt")
+    exported = hub(save, data, "checkpoint_last_consolidated.pt")
+    assert translate(exported, sources) == expected
+    assert not any("__" in t for t in expected)  # fairseq-generate strips the tag too
+    sharded = hub(save, data, "checkpoint_last.pt")  # its shards, read through patch 8
+    assert translate(sharded, sources) == expected
+
+    # the other pair: its tag is left out too
+    german = translate(hub(save, data, "checkpoint_last_consolidated.pt", "deu_Latn"), sources)
+    assert all(german) and not any("deu_Latn" in t for t in german), german
+
+    with pytest.raises(ValueError, match="prefix_allowed_tokens_fn"):
+        exported.translate(sources[0], prefix_allowed_tokens_fn=lambda batch, tokens: [])

@@ -1,0 +1,106 @@
+"""Silence when all is well (launch/quiet.py): a training run, a hydra command and plot_memory
+print no warning and no debug line under the default warning filters (no PYTHONWARNINGS), and
+the run's filters are the exact ones it names, gone again after the run.
+
+The processes are forked from the test server, which starts with the suite's environment: with
+PYTHONWARNINGS set there, the filters are not the default ones and the runs prove nothing.
+"""
+from __future__ import annotations
+
+import os
+import re
+import warnings
+
+import pytest
+
+from conftest import REPO
+from launcher import ok, run_ranks, train_inner
+
+from fairseq_fsdp2.launch import quiet
+
+WARNING_LINE = re.compile(r"^.*\b\w*Warning: .*$", re.M)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def default_filters():
+    if os.environ.get("PYTHONWARNINGS"):
+        pytest.skip("PYTHONWARNINGS is set: the runs would not see the default filters")
+
+
+@pytest.fixture(scope="module")
+def run_output(corpus, tmp_path_factory) -> str:
+    """One process, FSDP2, a unit per layer, the chunked loss (the shared-embedding unit's
+    outputs too), root resharded: every unit kind whose outputs FSDP2 warns about."""
+    from conftest import train_args_for
+    save = tmp_path_factory.mktemp("quiet") / "ckpt"
+    args = train_args_for(corpus, save, "--ddp-backend", "fsdp2", "--min-params-to-wrap", "1",
+                          "--fsdp2-root-reshard", "always", "--loss-chunk-tokens", "64",
+                          save=True, updates=2)
+    args[args.index("label_smoothed_cross_entropy")] = "label_smoothed_cross_entropy_chunked"
+    output = ok(run_ranks(1, lambda rank: args))
+    assert len(train_inner(output)) == 2, output[-3000:]
+    return output
+
+
+def test_a_run_prints_no_hydra_deprecation(run_output):
+    # fairseq-train's config conversion: patch 9 (registration.py)
+    assert "hydra" not in run_output.lower(), run_output[:3000]
+
+
+def test_a_run_prints_no_warning(run_output):
+    assert not WARNING_LINE.findall(run_output), WARNING_LINE.findall(run_output)
+
+
+def test_the_run_filters_are_exact_and_removed_after():
+    view = ("FSDP2-wrapped module (FSDPTransformerDecoderLayerBase) returned a view tensor. "
+            "An in-place op on this view ...")
+    torch_module = "torch.distributed.fsdp._fully_shard._fsdp_state"
+
+    def shown(message, module, silenced: bool) -> bool:
+        """Whether the warning reaches the user: every warning shown, except through the run's
+        filters when they are installed (independent of the filters pytest runs under)."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.resetwarnings()
+            warnings.simplefilter("always")
+            if silenced:
+                quiet.install()
+            warnings.warn_explicit(message, UserWarning, "x.py", 1, module=module, registry={})
+        return bool(caught)
+
+    assert shown(view, torch_module, silenced=False)
+    assert not shown(view, torch_module, silenced=True)
+    assert shown(view, "someone.else", silenced=True)  # the same words from another module
+    assert shown(view.replace("FSDPTransformerDecoderLayerBase", "FSDPMyLayer"), torch_module,
+                 silenced=True)  # a unit whose outputs were not examined
+    before = list(warnings.filters)
+    with quiet.silenced():
+        assert len(warnings.filters) == len(before) + len(quiet.RUN_WARNINGS)
+    assert warnings.filters == before  # exactly what it added is gone, nothing else
+
+
+def command(module: str, *args) -> str:
+    """``python -m module args`` in a fresh interpreter (not forked from the test server, whose
+    logging has no root handler: a debug line would not show there), its output."""
+    (result,) = run_ranks(1, lambda rank: [str(a) for a in args], module=module,
+                          fresh_interpreter=True, torchrun_env=False, timeout=180)
+    assert result.returncode == 0, result.output[-3000:]
+    return result.output
+
+
+def test_hydra_command_prints_no_deprecation_and_no_debug(corpus):
+    # fairseq's hydra main composes the whole config (deprecations at its import and compose,
+    # hydra's debug lines under fairseq's DEBUG root); --cfg job prints it and stops
+    output = command("fairseq_fsdp2.hydra_train", "--config-dir", REPO / "configs",
+                     "--config-name", "nllb_tiny_demo", f"task.data={corpus}", "--cfg", "job")
+    assert "max_update: 300" in output  # the config was composed and printed
+    assert not WARNING_LINE.findall(output), output[:3000]
+    assert "DEBUG" not in output, output[:3000]
+
+
+def test_plot_memory_prints_no_debug(tmp_path):
+    log = tmp_path / "memory.jsonl"
+    log.write_text('{"num_updates": 2, "device": "cpu", "ranks": [{"rank": 0, "peak_gb": 1.0, '
+                   '"reserved_gb": 0.0, "alloc_retries": 0.0}]}\n')
+    output = command("fairseq_fsdp2.plot_memory", log, tmp_path / "memory.png")
+    assert (tmp_path / "memory.png").is_file()
+    assert "DEBUG" not in output and "matplotlib" not in output, output[:3000]

@@ -135,6 +135,20 @@ def test_a_program_under_torchrun_trains_twice_on_two_ranks(corpus, tmp_path):
     assert "FSDP2 sharding plan: 5 units over 2 rank(s)" in results[0].output
 
 
+def test_a_parser_built_before_the_plugin_gets_one_line_naming_the_fix(corpus):
+    """--user-dir fairseq_fsdp2 --ddp-backend fsdp2 in a list, to a parser built before the
+    plugin was loaded (it cannot know the choice or the options): one OptionError naming the
+    fix, and after ``import fairseq_fsdp2`` the same list parses (tests/probes/late_plugin.py)."""
+    result = run_command("late_plugin", str(REPO / "fairseq_fsdp2"), str(corpus),
+                         env={"PYTHONPATH": os.pathsep.join([PROBES, str(REPO)])})
+    assert result.returncode == 0, result.output[-3000:]
+    (line,) = [l for l in result.output.splitlines() if l.startswith("LATE ")]
+    late = json.loads(line[5:])
+    assert late["first"]["type"] == "OptionError", late
+    assert "import fairseq_fsdp2 before options.get_training_parser()" in late["first"]["message"]
+    assert (late["backend"], late["root_reshard"]) == ("fsdp2", "always")
+
+
 # --- a hydra sweep ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,11 @@ def install() -> None:
     global _installed
     if _installed:
         return
+    # 0. Loaded too late: by --user-dir in a list of arguments whose parser fairseq built
+    #    before the plugin existed (a Python program; fairseq-train imports --user-dir first).
+    #    One line naming the fix, instead of argparse's "invalid choice: 'fsdp2'"; nothing is
+    #    installed, so `import fairseq_fsdp2` afterwards installs the plugin as usual.
+    parse_errors.check_not_loaded_mid_parse(fairseq.options.parse_args_and_arch.__code__)
     _installed = True
 
     # 1. Options: fairseq builds the `distributed_training` group of its argparse parser, its

@@ -15,7 +15,7 @@ import re
 import sys
 from typing import Sequence
 
-from ..errors import DEBUG_ENV, prints_bad_input
+from ..errors import DEBUG_ENV, OptionError, prints_bad_input
 from ..options import PLUGIN_OPTIONS, SERVED_BACKENDS
 
 #: the plugin's own flags (options.PLUGIN_OPTIONS as argparse spells them)
@@ -50,6 +50,27 @@ def stop(message: str) -> None:
     if prints_bad_input():
         print(f"fairseq_fsdp2: error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+def check_not_loaded_mid_parse(stock_parse_code) -> None:
+    """Raise OptionError if the plugin is being loaded by ``--user-dir`` from inside fairseq's
+    stock ``parse_args_and_arch`` (``stock_parse_code``: its code object) given a list that asks
+    for FSDP2. fairseq-train imports ``--user-dir`` from its own command line before it builds
+    the parser; a program that builds ``options.get_training_parser()`` and passes
+    ``["--user-dir", "fairseq_fsdp2", "--ddp-backend", "fsdp2", ...]`` has a parser built
+    before the plugin was loaded, whose choices and options cannot know it ("invalid choice:
+    'fsdp2'", argparse's usage and exit). Say the fix instead. Frames are walked with
+    CPython's ``sys._getframe`` (no public way to see the caller's arguments)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not stock_parse_code:
+        frame = frame.f_back
+    if frame is None or frame.f_locals.get("input_args") is None:
+        return
+    if asks_for_fsdp2([str(a) for a in frame.f_locals["input_args"]]):
+        raise OptionError(
+            "fairseq built this parser before --user-dir loaded fairseq_fsdp2, so it does not "
+            "know --ddp-backend fsdp2 or the plugin's options: import fairseq_fsdp2 before "
+            "options.get_training_parser() (docs/launching.md, \"Training from Python\")")
 
 
 def parse_args_and_arch(fairseq_parse, parser, input_args=None, *args, **kwargs):

@@ -34,7 +34,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist

@@ -1,10 +1,11 @@
 """The command-line face of a run: one line and an exit status, only where the plugin owns the
 process.
 
-The plugin owns the process when the program is one of the training commands (``fairseq-train``,
-``fairseq-hydra-train``, ``python -m fairseq_cli.train``, ``python -m fairseq_fsdp2.hydra_train``
-and its script, each also as a torchrun or SLURM rank) or a rank the plugin started itself
-(spawn.py), and the run is not one job of a hydra ``--multirun`` sweep. There an error ends the
+The plugin owns the process when the run comes through one of fairseq's training commands
+(``fairseq-train``, ``fairseq-hydra-train``, ``python -m fairseq_cli.train``, ``python -m
+fairseq_fsdp2.hydra_train`` and its script, each also as a torchrun or SLURM rank) or runs on a
+rank the plugin started itself (spawn.py), and the run is not one job of a hydra ``--multirun``
+sweep. There an error ends the
 process with one ``fairseq_fsdp2: error: ...`` line and its status (2: bad input, 1: training
 stopped). Anywhere else (a Python program, a notebook, fairseq's own test helpers, a sweep) the
 error is raised, as an FSDP2Error the caller can catch, and the caller decides.
@@ -18,11 +19,6 @@ from typing import NoReturn, Optional
 
 from ..errors import DEBUG_ENV, FSDP2Error, prints_bad_input
 
-#: ``python -m`` modules that are training commands
-ENTRY_MODULES = ("fairseq_cli.train", "fairseq_cli.hydra_train", "fairseq_fsdp2.hydra_train")
-#: console scripts that are training commands (pyproject.toml's and fairseq's)
-ENTRY_SCRIPTS = ("fairseq-train", "fairseq-hydra-train", "fairseq-fsdp2-hydra-train")
-
 _started_by_plugin = False  # a rank spawn.py started: a process of the plugin's own
 
 
@@ -33,18 +29,32 @@ def mark_started_by_plugin() -> None:
 
 
 def owns_process() -> bool:
-    """Whether a run's error may end this process (see the module's docstring)."""
+    """Whether a run's error may end this process (see the module's docstring): a rank the
+    plugin started, or a run that came through the ``cli_main`` of fairseq's training commands
+    (``fairseq_cli.train``, ``fairseq_cli.hydra_train``: their console scripts, ``python -m``,
+    torchrun's and SLURM's ranks, the plugin's hydra entry, a wrapper script calling one), not
+    as one job of a hydra sweep. Frames are walked with CPython's ``sys._getframe``: no public
+    API tells who called."""
     if _in_hydra_multirun():
         return False
     if _started_by_plugin:
         return True
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    if spec is not None:  # python -m MODULE
-        return spec.name in ENTRY_MODULES
-    script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
-    return os.path.basename(script) in ENTRY_SCRIPTS and \
-        os.path.abspath(getattr(main, "__file__", "") or "") == script
+    entry_points = _training_commands()
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "cli_main" and os.path.abspath(code.co_filename) in entry_points:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _training_commands() -> set[str]:
+    """The files of fairseq's training commands (``python -m fairseq_cli.train`` runs its file
+    as ``__main__``: another module object, the same file)."""
+    import fairseq_cli.hydra_train
+    import fairseq_cli.train
+    return {os.path.abspath(m.__file__) for m in (fairseq_cli.train, fairseq_cli.hydra_train)}
 
 
 def _in_hydra_multirun() -> bool:

@@ -51,10 +51,11 @@ def owns_process() -> bool:
 
 def _training_commands() -> set[str]:
     """The files of fairseq's training commands (``python -m fairseq_cli.train`` runs its file
-    as ``__main__``: another module object, the same file)."""
-    import fairseq_cli.hydra_train
-    import fairseq_cli.train
-    return {os.path.abspath(m.__file__) for m in (fairseq_cli.train, fairseq_cli.hydra_train)}
+    as ``__main__``: another module object, the same file). Not imported: fairseq_cli's
+    hydra_train warns about its hydra decorator when imported."""
+    import fairseq_cli
+    package = os.path.dirname(os.path.abspath(fairseq_cli.__file__))
+    return {os.path.join(package, name) for name in ("train.py", "hydra_train.py")}
 
 
 def _in_hydra_multirun() -> bool:

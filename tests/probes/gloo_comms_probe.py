@@ -17,17 +17,19 @@
    ``MixedPrecisionPolicy(param_dtype=reduce_dtype=fp16 or bf16)``, whose reduce-scatter input
    is in that dtype (fp16: pre- and post-divided, a SUM; bf16: an AVG): the installed
    collectives give the same bits as FSDP2's own, and the input they get is in that dtype.
-4. What the fp16 reduction computes, against stock fairseq's legacy_ddp arithmetic on the same
-   local fp16 gradients (each divided by the world size in fp16, then all-reduced in fp16):
+4. What the fp16 reduction computes, against stock fairseq's legacy_ddp on the same local fp16
+   gradients (its ``LegacyDistributedDataParallel.all_reduce_grads`` itself, not a copy: each
+   gradient divided by the world size in fp16, then all-reduced in fp16):
    FSDP2's sharded gradient with reduce dtype fp16, and with fp32 (the default), compared bit
    for bit; and a gradient of 40,000 per rank (finite in fp16, as is its mean), reduced by
-   FSDP2 in fp16 and by legacy_ddp's arithmetic: which of the two overflows.
+   FSDP2 in fp16 and by legacy_ddp's code: which of the two overflows.
 """
 import os
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from fairseq.distributed.legacy_distributed_data_parallel import LegacyDistributedDataParallel
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -147,11 +149,15 @@ def train(mesh, install: bool, reduce_dtype=None):
 
 
 def legacy_ddp_fp16_reduce(grad: torch.Tensor, group) -> torch.Tensor:
-    """Stock fairseq's legacy_ddp on an fp16 gradient: divided by the world size, all-reduced."""
-    buffer = grad.clone()
-    buffer.div_(group.size())
-    dist.all_reduce(buffer, group=group)
-    return buffer
+    """Stock fairseq's legacy_ddp on an fp16 gradient, by its own code: a module holding one
+    fp16 parameter whose gradient is ``grad``, wrapped in fairseq's
+    ``LegacyDistributedDataParallel`` (what ``--ddp-backend legacy_ddp`` builds), whose
+    ``all_reduce_grads`` (what fairseq's FP16Optimizer calls on the fp16 model) reduces it."""
+    holder = nn.Module()
+    holder.weight = nn.Parameter(torch.zeros_like(grad))
+    holder.weight.grad = grad.clone()
+    LegacyDistributedDataParallel(holder, group).all_reduce_grads()
+    return holder.weight.grad
 
 
 def sharded_grad(mesh, reduce_dtype, weight: torch.Tensor, x: torch.Tensor) -> tuple:

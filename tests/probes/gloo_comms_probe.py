@@ -4,7 +4,8 @@
    bit for bit; each reduce-scatter output element's difference, as a multiple of
    gamma(n - 1) x (the sum of its n terms' magnitudes) (see ``collectives``); and the resident
    memory each adds (VmHWM reset before, read after; outputs allocated and written beforehand,
-   so only temporaries count).
+   so only temporaries count), at 16 MiB and 4 MiB shards (what grows with the data is the
+   difference).
 2. Through FSDP2: two copies of one model, sharded alike (uneven rows, a unit per layer and a
    root), trained 3 Adam steps on the same batches, one with FSDP2's collectives and one after
    ``gloo_collectives.install``; every parameter compared bit for bit; and how often FSDP2 called the
@@ -211,6 +212,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     report = {"collectives": collectives(mesh.get_group(), 16 * MIB // 4),
+              "quarter": collectives(mesh.get_group(), 4 * MIB // 4),
               "uneven": collectives(mesh.get_group(), 1001)}
     theirs, _, _ = train(mesh, install=False)
     ours, calls, _ = train(mesh, install=True)

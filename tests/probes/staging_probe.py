@@ -12,10 +12,8 @@ must hold the first step's values.
 Prints ``PROBE {"saved_equals_before": bool, "changed_by_step": bool}``.
 """
 import os
-import sys
 import tempfile
 import threading
-import time
 
 import torch
 import torch.distributed as dist
@@ -25,35 +23,19 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from fairseq_fsdp2.checkpoint import async_save, sharded
+import main_thread
 from probe_report import report_and_exit
 
 step_begun, step_done = threading.Event(), threading.Event()
 real_copy = torch.Tensor.copy_
-POLL_S = 0.01  # how often the staging copy looks at the main thread (not a duration it relies on)
-
-
-def main_thread_held() -> bool:
-    """The main thread waits inside the plugin's step pre-hook (async_save._wait_for_staging):
-    its innermost frame is a wait in threading.py and the hook is on its stack
-    (``sys._current_frames``: CPython's documented view of every thread's frame)."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
-    if frame is None or not frame.f_code.co_filename.endswith("threading.py"):
-        return False
-    while frame is not None:
-        if frame.f_code.co_name == "_wait_for_staging":
-            return True
-        frame = frame.f_back
-    return False
-
-
 def copy_(self, src, non_blocking=False):
     if threading.current_thread().name.startswith("fsdp2-staging"):
         # copy once the step cannot change the parameters under the copy any more: either the
         # plugin holds it (correct), or it has already run (the bug this probe catches: the
         # saved values are then the second step's)
         step_begun.wait()
-        while not (step_done.is_set() or main_thread_held()):
-            time.sleep(POLL_S)
+        main_thread.wait_until(lambda: step_done.is_set()
+                               or main_thread.waits_in("_wait_for_staging"))
     return real_copy(self, src, non_blocking)
 
 

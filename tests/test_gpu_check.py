@@ -180,6 +180,7 @@ def test_report_of_a_run_stopped_at_its_limit_lists_what_never_ran(tmp_path):
     assert "| `test_c` | stopped while running |  |  |" in text
     assert "| `test_d` | not run |  |  |" in text
     assert "1 failed, 1 not run, 1 passed, 1 stopped while running of 4" in text
+    assert "### Skipped: not proven on this machine\n\nNone.\n" in text
     # torch 2.11 against the pinned 2.13 is flagged; numpy meets its pin; a local version
     # (+cu130, +cpu) does not count
     assert "| torch | 2.13.0 | requirements.txt | 2.11.0+cu130 (image) |" in text
@@ -188,6 +189,21 @@ def test_report_of_a_run_stopped_at_its_limit_lists_what_never_ran(tmp_path):
     assert "| omegaconf | 2.3.0 | requirements.txt | absent |" in text
     write_json(tmp_path / "test.json", {"state": "running"})
     assert "| `test_c` | running when written |" in gpu_report.render(tmp_path, REPO)
+
+
+def test_report_lists_every_skipped_test_with_its_reason(tmp_path):
+    write_json(tmp_path / "build.json", {"state": "ok", "seconds": 80})
+    write_json(tmp_path / "test.json", {"state": "done", "exit": 0, "seconds": 9})
+    a, b, c = (f"tests/test_cuda.py::test_{x}" for x in "abc")
+    events(tmp_path / "results.jsonl", {"event": "collected", "tests": [a, b, c]},
+           {"event": "result", "test": a, "outcome": "skipped", "note": "needs 2 GPUs, found 1",
+            "seconds": 0.0},
+           {"event": "result", "test": b, "outcome": "passed", "note": "", "seconds": 1.0},
+           {"event": "result", "test": c, "outcome": "skipped", "note": "", "seconds": 0.0})
+    text = gpu_report.render(tmp_path, REPO)
+    section = text.split("### Skipped: not proven on this machine\n\n", 1)[1].split("\n\n")[0]
+    assert section.splitlines() == ["- `test_a`: needs 2 GPUs, found 1",
+                                    "- `test_c`: (no reason given)"], section
 
 
 def test_report_of_a_failed_build_says_so_and_lists_no_test(tmp_path):
@@ -329,6 +345,9 @@ def test_dry_run_installs_offline_from_wheels_alone_and_writes_the_report(tmp_pa
     assert "State: ok" in report and "(built in this call)" in report
     rows = [line for line in report.splitlines() if line.startswith("| `test_")]
     assert len(rows) >= 20 and all(" | skipped | " in row for row in rows), rows
+    skipped = report.split("### Skipped: not proven on this machine\n\n", 1)[1].split("\n\n")[0]
+    assert len(skipped.splitlines()) == len(rows), skipped  # each with the reason pytest gave
+    assert "(no reason given)" not in skipped, skipped
     versions = json.loads((tmp_path / "d" / "work" / "versions.json").read_text())
     added = sorted(k for k, v in versions.items() if v["where"] == "added")
     assert added == ["antlr4-python3-runtime", "bitarray", "cffi", "fairseq-fixed", "hydra-core",

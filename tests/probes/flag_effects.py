@@ -17,6 +17,8 @@ Counting forward calls changes no value: the run's losses stay those of an unpro
 import json
 import os
 
+from at_update import on_rank0_at_update
+
 update = int(os.environ.get("FLAG_EFFECTS_UPDATE", "2"))
 
 
@@ -35,41 +37,29 @@ def offload_report(model) -> list:
     return units
 
 
-def install() -> None:
-    if os.environ.get("RANK", "0") != "0":
-        return
-    from fairseq.trainer import Trainer
+def report(trainer, samples, step):
+    model = trainer.model
+    counts, handles = {}, []
+    for side in ("encoder", "decoder"):
+        for i, layer in enumerate(getattr(model, side).layers):
+            name = f"{side}.layers.{i}"
+            counts[name] = 0
 
-    real_train_step = Trainer.train_step
-
-    def train_step(self, samples, raise_oom=False):
-        if self.get_num_updates() + 1 != update:
-            return real_train_step(self, samples, raise_oom)
-        model = self.model
-        counts, handles = {}, []
-        for side in ("encoder", "decoder"):
-            for i, layer in enumerate(getattr(model, side).layers):
-                name = f"{side}.layers.{i}"
-                counts[name] = 0
-
-                def count(*_, name=name):
-                    counts[name] += 1
-                handles.append(layer.fc1.register_forward_hook(count))
-        try:
-            out = real_train_step(self, samples, raise_oom)
-        finally:
-            for handle in handles:
-                handle.remove()
-        report = {"offload": offload_report(model), "fc1_forwards": counts,
-                  "micro_batches": len(samples)}
-        print(f"flag effects: {json.dumps(report, sort_keys=True)}", flush=True)
-        return out
-
-    # fairseq's Trainer.train_step: FSDP2Trainer calls it through super()
-    Trainer.train_step = train_step
+            def count(*_, name=name):
+                counts[name] += 1
+            handles.append(layer.fc1.register_forward_hook(count))
+    try:
+        out = step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    effects = {"offload": offload_report(model), "fc1_forwards": counts,
+               "micro_batches": len(samples)}
+    print(f"flag effects: {json.dumps(effects, sort_keys=True)}", flush=True)
+    return out
 
 
-install()
+on_rank0_at_update(update, report)
 
 if __name__ == "__main__":
     from fairseq_cli.train import cli_main

@@ -218,6 +218,14 @@ def test_rows(work: Path, running: bool) -> tuple[list[str], dict, str, bool]:
     return rows, counts, current, bool(collected)
 
 
+def skipped_lines(work: Path) -> list[str]:
+    """One line per test that skipped, with its reason: the claims this run did not prove
+    (the table holds them too, among the passes)."""
+    results = {e["test"]: e for e in events(work / "results.jsonl") if e.get("event") == "result"}
+    return [f"- `{name.split('::', 1)[-1]}`: {r.get('note') or '(no reason given)'}"
+            for name, r in results.items() if r.get("outcome") == "skipped"]
+
+
 def render(work: Path, repo: Path = REPO) -> str:
     src, mach = load(work / "source.json"), load(work / "machine.json")
     build, test = load(work / "build.json"), load(work / "test.json")
@@ -252,6 +260,8 @@ def render(work: Path, repo: Path = REPO) -> str:
                             else "Not started.")]
     if rows:
         lines += ["", "| test | result | s | note |", "|---|---|---:|---|", *rows]
+        lines += ["", "### Skipped: not proven on this machine", ""]
+        lines += skipped_lines(work) or ["None."]
     measured = events(work / "estimates.jsonl")
     fitting = [r for r in measured if r.get("table") == "fitting"]
     lines += ["", "## Fitting NLLB-600M (README table), one GPU, measured", "",

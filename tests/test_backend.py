@@ -417,11 +417,27 @@ def test_fp16_adam_stats_are_saved_in_fp16_and_resume_exactly(runs, corpus, tmp_
 
 
 @pytest.mark.slow
-def test_cpu_offload_and_activation_checkpointing_equal_plain_fsdp2(runs):
-    """--cpu-offload (FSDP2's CPUOffloadPolicy: shards, gradients and the optimizer step on the
-    CPU) and --checkpoint-activations (recomputed in backward, same dropout masks) compute the
-    same values in the same order as the plain run: equal printed loss and gnorm."""
-    ours = runs(*ADAM, "--cpu-offload", "--checkpoint-activations", updates=20)
+def test_cpu_offload_and_activation_checkpointing_take_effect_and_equal_plain_fsdp2(
+        runs, corpus, tmp_path):
+    """--cpu-offload reaches ``fully_shard``: every unit holding parameters has FSDP2's
+    CPUOffloadPolicy and every parameter is marked to be offloaded (on CPU nothing moves, so
+    the values alone cannot show it). --checkpoint-activations wraps every layer: each
+    layer's fc1 runs twice per micro-batch (forward, then recomputed in backward;
+    tests/probes/flag_effects.py). And they compute the same values in the same order as the
+    plain run (same dropout masks on recomputation): equal printed loss and gnorm."""
+    ours = ok(run_ranks(2, lambda r: train_args_for(
+        corpus, tmp_path, *FSDP2, *ADAM, "--cpu-offload", "--checkpoint-activations",
+        updates=20), module="flag_effects", env={"PYTHONPATH": str(REPO / "tests" / "probes")}))
+    line = next(l for l in ours.splitlines() if l.startswith("flag effects: "))
+    effects = json.loads(line[len("flag effects: "):])
+    units = effects["offload"]
+    layers = [f"{side}.layers.{i}" for side in ("encoder", "decoder") for i in range(2)]
+    # the shared embedding's unit is fully_shard([embed_tokens, output_projection]): both hold it
+    assert sorted(u["unit"] for u in units) == sorted(
+        ["<root>", "encoder.embed_tokens", "decoder.output_projection", *layers]), units
+    assert all(u["policy"] == "CPUOffloadPolicy" and u["params_offloaded"] for u in units), units
+    twice = 2 * effects["micro_batches"]
+    assert effects["fc1_forwards"] == {layer: twice for layer in layers}, effects
     assert per_update(ours) == per_update(runs(*ADAM, updates=20))
 
 

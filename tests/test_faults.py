@@ -121,7 +121,10 @@ def test_killed_ranks_are_named_and_restarts_reproduce_the_uninterrupted_run(tra
 
 def test_a_hung_rank_is_named_after_the_heartbeat_timeout(train_args, tmp_path):
     """A rank that stops answering (SIGSTOP) without dying: the other gives up after
-    --heartbeat-timeout and names it."""
+    --heartbeat-timeout and names it. The probe keeps torch's 30-minute collective timeout
+    until update 3 and applies the plugin's 5 s then (tests/probes/fault_point.py): a stall of
+    a loaded machine in updates 1-2 cannot end the run (a 7 s stall of rank 1 in update 1
+    ended it at update 1 before)."""
     env = {"PYTHONPATH": PROBES, "FAULT": "hang:3:1"}
     args = train_args("--ddp-backend", "fsdp2", "--heartbeat-timeout", 5, "--num-workers", "0")
     procs = start_ranks(2, lambda r: args, module="fault_point", env=env)
@@ -218,8 +221,8 @@ def test_nan_loss_and_out_of_memory_stop_naming_update_and_rank(train_args, tmp_
                                                                expected):
     """Each stops with its line on every rank. The NaN case writes its checkpoints in the
     background: fairseq's crash.pt, saved just before it raises, must be whole afterwards
-    (the probe slows rank 0's background file write by 5 s, so an exit that does not wait for
-    it loses the file)."""
+    (the probe holds rank 0's background write of crash.pt until the main thread waits for it
+    or has raised past it, so an exit that does not wait for it loses the file)."""
     nan = fault.startswith("nan")
     save_dir = tmp_path / "ckpt"
     results, _ = run(train_args, save_dir, fault, tmp_path, updates=5,

@@ -11,6 +11,7 @@ test; it runs where GPU_CHECK_DRYRUN=1 (.ci/run runs it as its own step).
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -179,6 +180,7 @@ def test_report_of_a_run_stopped_at_its_limit_lists_what_never_ran(tmp_path):
     assert "| `test_c` | stopped while running |  |  |" in text
     assert "| `test_d` | not run |  |  |" in text
     assert "1 failed, 1 not run, 1 passed, 1 stopped while running of 4" in text
+    assert "### Skipped: not proven on this machine\n\nNone.\n" in text
     # torch 2.11 against the pinned 2.13 is flagged; numpy meets its pin; a local version
     # (+cu130, +cpu) does not count
     assert "| torch | 2.13.0 | requirements.txt | 2.11.0+cu130 (image) |" in text
@@ -187,6 +189,21 @@ def test_report_of_a_run_stopped_at_its_limit_lists_what_never_ran(tmp_path):
     assert "| omegaconf | 2.3.0 | requirements.txt | absent |" in text
     write_json(tmp_path / "test.json", {"state": "running"})
     assert "| `test_c` | running when written |" in gpu_report.render(tmp_path, REPO)
+
+
+def test_report_lists_every_skipped_test_with_its_reason(tmp_path):
+    write_json(tmp_path / "build.json", {"state": "ok", "seconds": 80})
+    write_json(tmp_path / "test.json", {"state": "done", "exit": 0, "seconds": 9})
+    a, b, c = (f"tests/test_cuda.py::test_{x}" for x in "abc")
+    events(tmp_path / "results.jsonl", {"event": "collected", "tests": [a, b, c]},
+           {"event": "result", "test": a, "outcome": "skipped", "note": "needs 2 GPUs, found 1",
+            "seconds": 0.0},
+           {"event": "result", "test": b, "outcome": "passed", "note": "", "seconds": 1.0},
+           {"event": "result", "test": c, "outcome": "skipped", "note": "", "seconds": 0.0})
+    text = gpu_report.render(tmp_path, REPO)
+    section = text.split("### Skipped: not proven on this machine\n\n", 1)[1].split("\n\n")[0]
+    assert section.splitlines() == ["- `test_a`: needs 2 GPUs, found 1",
+                                    "- `test_c`: (no reason given)"], section
 
 
 def test_report_of_a_failed_build_says_so_and_lists_no_test(tmp_path):
@@ -234,7 +251,9 @@ def built(tmp_path_factory) -> Path:
         "@pytest.mark.parametrize('i', range(6))\n"
         "def test_sleeps(i):\n"
         f"    open({str(tmp / 'slow' / 'pids')!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
-        "    time.sleep(2)\n")
+        "    time.sleep(float(os.environ.get('SLOW_TEST_S', '2')))\n")
+    (tmp / "quick").mkdir()
+    (tmp / "quick" / "test_quick.py").write_text("def test_nothing():\n    pass\n")
     return tmp
 
 
@@ -248,15 +267,22 @@ def outcomes(report: str) -> list[str]:
 
 
 def test_tests_stopped_at_the_time_limit_leave_a_report_of_what_never_ran(built):
-    """Six 2-second tests in 5 seconds: the limit stops the run; the report says so and lists
-    every test, those that never ran as 'not run'."""
+    """Six tests, each as long as the whole limit: the limit stops the run (whatever pytest's
+    start-up took, at most one test runs); the report says so and lists every test, those that
+    never ran as 'not run'. The limit must leave pytest time to start and collect: it is
+    derived from this machine, twice the whole check's test step on one empty test measured
+    just before (start-up, collection, the report), plus 4 s."""
+    started = time.monotonic()
     proc = subprocess.run(["bash", str(SCRIPT), "test"], capture_output=True, text=True,
-                          env=slow_tests(built, GPU_CHECK_TEST_TIMEOUT="5"))
+                          env=script_env(built, GPU_CHECK_TESTS=str(built / "quick")))
+    assert proc.returncode == 0, proc.stderr
+    limit = str(math.ceil(2 * (time.monotonic() - started)) + 4)
+    proc = subprocess.run(["bash", str(SCRIPT), "test"], capture_output=True, text=True,
+                          env=slow_tests(built, GPU_CHECK_TEST_TIMEOUT=limit, SLOW_TEST_S=limit))
     assert proc.returncode == 124, proc.stderr
     report = (built / "gpu_report.md").read_text()
-    assert "**Stopped at the time limit** (5 s for the tests)." in report
-    found = outcomes(report)
-    assert len(found) == 6 and "not run" in found and "failed" not in found, found
+    assert f"**Stopped at the time limit** ({limit} s for the tests)." in report
+    assert outcomes(report) == ["stopped while running"] + ["not run"] * 5, report
 
 
 def test_sigterm_during_the_tests_leaves_a_report_and_no_test_process(built):
@@ -319,6 +345,9 @@ def test_dry_run_installs_offline_from_wheels_alone_and_writes_the_report(tmp_pa
     assert "State: ok" in report and "(built in this call)" in report
     rows = [line for line in report.splitlines() if line.startswith("| `test_")]
     assert len(rows) >= 20 and all(" | skipped | " in row for row in rows), rows
+    skipped = report.split("### Skipped: not proven on this machine\n\n", 1)[1].split("\n\n")[0]
+    assert len(skipped.splitlines()) == len(rows), skipped  # each with the reason pytest gave
+    assert "(no reason given)" not in skipped, skipped
     versions = json.loads((tmp_path / "d" / "work" / "versions.json").read_text())
     added = sorted(k for k, v in versions.items() if v["where"] == "added")
     assert added == ["antlr4-python3-runtime", "bitarray", "cffi", "fairseq-fixed", "hydra-core",

@@ -22,11 +22,11 @@ import pytest
 import sentencepiece as spm
 import torch
 
-from conftest import PLUGIN
+from conftest import PLUGIN, need_fixture_dep
 from launcher import finish_ranks, ok, start_ranks, train_inner
 from hf_compare import (as_float64, assert_logits_close, assert_same_greedy_choices, greedy,
                         greedy_gaps)
-from test_hf_nllb import FIXTURE_DEPS, MAX_LEN, TINY, finish, reference
+from test_hf_nllb import MAX_LEN, TINY, finish, reference
 
 from fairseq_fsdp2.models.nllb_languages import lang_of_token
 from fairseq_fsdp2.consolidate import main as consolidate_main
@@ -49,9 +49,7 @@ def flags(data: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def grown(tmp_path_factory):
-    if not (FIXTURE_DEPS / "transformers").is_dir():
-        pytest.skip(f"no transformers in {FIXTURE_DEPS} for the reference side: run "
-                    "scripts/setup.sh")
+    need_fixture_dep("transformers", "for the reference side")
     root = tmp_path_factory.mktemp("hf_add_langs")
     numbers.write_corpus(root / "hub_raw", [("eng_Latn", "fra_Latn")], n_train=600, n_valid=0,
                          n_test=0, seed=2)

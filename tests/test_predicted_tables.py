@@ -15,7 +15,10 @@ import shlex
 import pytest
 
 from conftest import REPO
-from fairseq_fsdp2.estimator.doc_tables import TABLES, documented, names_in, render, replaced
+from fairseq_fsdp2 import estimate as cli
+from fairseq_fsdp2.estimator.doc_tables import (CKPT, NLLB_GPU, RECIPE, REDUCE16, STATS8, STATS16,
+                                                TABLES, documented, names_in, render, replaced)
+from fairseq_fsdp2.models.nllb import NLLB_SIZES
 
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
@@ -76,3 +79,65 @@ def test_recorded_benchmark_commands_still_parse():
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)  # defines functions; runs nothing (a __main__ guard)
         module.build_parser().parse_args(shlex.split(args))  # SystemExit(2) if it fails
+
+
+# -- figures in prose (docs/memory.md, "NLLB-3.3B on two 24 GB GPUs without --cpu-offload") ----
+
+def nllb_3_3b(*flags: str, max_tokens: int = 4096):
+    """The estimate for NLLB-3.3B with the recipe's settings, ``flags`` and ``max_tokens`` per
+    GPU, at 2 GPUs (the prose's setting): its one class of ranks."""
+    argv = [str(max_tokens) if before == "--max-tokens" else arg
+            for before, arg in zip(("",) + NLLB_GPU, NLLB_GPU)]
+    (estimate,) = cli.estimate_args([*argv, "--arch", "transformer_nllb_3_3b", *RECIPE, *flags,
+                                     "--world-size", "2"])
+    (ranks,) = estimate.classes
+    return ranks
+
+
+def prose_claims() -> list[str]:
+    """Each figure of the section's prose, in the phrase that states it, computed from the
+    estimator (and the tied embedding's size, for the parts of a category it names)."""
+    gib = lambda n: n / 2 ** 30  # noqa: E731
+    stats16 = nllb_3_3b(*CKPT, *STATS16)
+    at_12288, at_13312 = (nllb_3_3b(*CKPT, *STATS16, max_tokens=t) for t in (12288, 13312))
+    reduce16 = nllb_3_3b(*CKPT, *STATS16, *REDUCE16)
+    stats8 = nllb_3_3b(*CKPT, *STATS8)
+    both = nllb_3_3b(*CKPT, *STATS8, *REDUCE16)
+    b, b8, bb = stats16.breakdown, stats8.breakdown, both.breakdown
+    embedding = 256206 * NLLB_SIZES["transformer_nllb_3_3b"]["dim"]  # elements, tied
+    fp16_grad, fp32_shard = gib(embedding * 2), gib(embedding * 4 / 2)
+    assert at_12288.peak == stats16.peak and "reduce-scatter shared" in stats16.moment
+    assert "decoder.layers" in at_13312.moment and "reduce-scatter shared" in stats8.moment
+    assert both.moment == "optimizer step"
+    return [
+        f"on 2 GPUs is {stats16.peak_gb:.2f} GiB",
+        f"at 13,312 a decoder layer's recomputation sets it: {at_13312.peak_gb:.2f}",
+        f"fp32 parameter shards {gib(b['sharded']):.2f} GiB, gradients {gib(b['grads']):.2f} "
+        f"(the other units' fp32 shards {gib(b['grads']) - fp16_grad - fp32_shard:.2f}, the "
+        f"embedding's fp16 gradient {fp16_grad:.2f} and its fp32 shard {fp32_shard:.2f}), 16-bit "
+        f"Adam state {gib(b['optim']):.2f}, the reduce-scatter's fp32 input {gib(b['comm']):.2f}",
+        f"that is {stats16.peak_gb + 1:.1f}-{stats16.peak_gb + 2:.1f} GiB",
+        f"the reduce-scatter's input halves ({gib(b['comm']):.2f} -> "
+        f"{gib(reduce16.breakdown['comm']):.2f} GiB)",
+        f"the peak falls by {stats16.peak_gb - reduce16.peak_gb:.2f} GiB, to "
+        f"{reduce16.peak_gb:.2f} GiB at 4,096 tokens",
+        f"{stats8.peak_gb:.2f} GiB at the same place (state {gib(b8['optim']):.2f} GiB instead "
+        f"of {gib(b['optim']):.2f})",
+        f"the prediction is {both.peak_gb:.2f} GiB at 4,096 tokens per GPU",
+        f"fp32 parameter and gradient shards {gib(bb['sharded']):.2f} GiB each, the 8-bit state "
+        f"{gib(b8['optim']):.2f}",
+        f"262M elements: {gib(bb['optim'] - b8['optim']):.2f} GiB with Adam's denominator",
+        f"that is {both.peak_gb + 1:.1f}-{both.peak_gb + 2:.1f} GiB",
+        f"state {gib(b8['optim']):.2f} GiB per GPU, {gib(b['optim'] - b8['optim']):.2f} less "
+        "than 16-bit moments",
+        f"| {gib(b['sharded']):.2f} ({gib(b['sharded']) / 2:.2f} parameters, "
+        f"{gib(b['sharded']) / 2:.2f} gradients) | {stats16.peak_gb - gib(b['sharded']):.2f};",
+    ]
+
+
+def test_memory_prose_figures_are_what_the_estimator_predicts():
+    """docs/memory.md's figures outside the generated tables: each phrase, with the figure the
+    estimator gives today, is in the page (a figure that went stale fails here)."""
+    text = " ".join((REPO / "docs" / "memory.md").read_text().split())
+    missing = [claim for claim in prose_claims() if claim not in text]
+    assert not missing, "docs/memory.md states otherwise (expected phrases):\n" + "\n".join(missing)

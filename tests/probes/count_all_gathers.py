@@ -9,36 +9,24 @@ that ran another would stop the run), and the profiler costs each rank it runs o
 import json
 import os
 
-import torch
 from torch.profiler import ProfilerActivity, profile
+
+from at_update import on_rank0_at_update
 
 PREFIX = "FSDP::all_gather ("
 update = int(os.environ.get("COUNT_UPDATE", "2"))
 
 
-def install() -> None:
-    if os.environ.get("RANK", "0") != "0":
-        return
-    from fairseq.trainer import Trainer
-
-    real_train_step = Trainer.train_step
-
-    def train_step(self, samples, raise_oom=False):
-        if self.get_num_updates() + 1 != update:
-            return real_train_step(self, samples, raise_oom)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            out = real_train_step(self, samples, raise_oom)
-        counts = {e.key[len(PREFIX):-1]: e.count for e in prof.key_averages()
-                  if e.key.startswith(PREFIX)}
-        print(f"all-gathers of update {update}: {json.dumps(counts, sort_keys=True)}",
-              flush=True)
-        return out
-
-    # fairseq's Trainer.train_step: FSDP2Trainer calls it through super()
-    Trainer.train_step = train_step
+def count(trainer, samples, step):
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = step()
+    counts = {e.key[len(PREFIX):-1]: e.count for e in prof.key_averages()
+              if e.key.startswith(PREFIX)}
+    print(f"all-gathers of update {update}: {json.dumps(counts, sort_keys=True)}", flush=True)
+    return out
 
 
-install()
+on_rank0_at_update(update, count)
 
 if __name__ == "__main__":
     from fairseq_cli.train import cli_main

@@ -8,11 +8,16 @@ when a machine dies). Phases:
 - ``shards``: inside a save, after this rank wrote its shards, before they are committed;
 - ``copy``: inside a save, halfway through fairseq copying the checkpoint file to
   checkpoint_last.pt (rank 0 only writes files);
-- ``hang``: the rank stops (SIGSTOP) in forward, as a wedged process or host does;
+- ``hang``: the rank stops (SIGSTOP) in forward, as a wedged process or host does. So that only
+  the hang can exhaust ``--heartbeat-timeout`` (not a stall of a loaded machine in an earlier
+  update), every rank runs with torch's 30-minute collective timeout until that update begins,
+  then with the timeout the plugin set (``heartbeat.set_collective_timeout``'s arguments and
+  ``init_process_group``'s ``timeout``, recorded when the plugin made them and applied then);
 - ``oom``: raises torch.OutOfMemoryError in forward (what CUDA raises);
 - ``nan``: the loss of that update is NaN on that rank (and with checkpoints written in the
-  background, rank 0 takes 5 s more to write the files of a save in that update: fairseq's
-  crash.pt must not be lost when the process ends);
+  background, crash.pt, which fairseq saves before it re-runs the update and raises, is written
+  only once the main thread waits for it or has raised past it: it must not be lost when the
+  process ends);
 - ``disk-full``: from that update on, files larger than 128 KiB cannot be written (EFBIG: what
   a full disk does to the next large write).
 With ``all``, the ranks write their pids to ``FAULT_DIR`` and the first rank to reach the point
@@ -27,6 +32,7 @@ import sys
 import threading
 import time
 
+import main_thread
 import fairseq_cli.train  # first, as fairseq-train: it configures logging before other imports
 import torch
 
@@ -55,6 +61,40 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+#: until the hang's update: torch's default collective timeout (phase ``hang``)
+LONG_TIMEOUT_S = 30 * 60
+update_failed = threading.Event()  # phase nan: the update's error has left train_step
+
+
+def defer_collective_timeouts() -> list:
+    """Phase ``hang``: record the collective timeouts the plugin sets and keep torch's long one
+    until ``apply`` (returned) is called at the hang's update, on every rank."""
+    import torch.distributed as dist
+    from fairseq_fsdp2.launch import heartbeat
+
+    recorded = []
+    real_set, real_init = heartbeat.set_collective_timeout, dist.init_process_group
+
+    def set_collective_timeout(seconds, groups):
+        groups = list(groups)
+        recorded.append((seconds, groups))
+        real_set(LONG_TIMEOUT_S, groups)
+
+    def init_process_group(*args, **kwargs):
+        result = real_init(*args, **kwargs)
+        if kwargs.get("timeout") is not None:
+            recorded.append((kwargs["timeout"].total_seconds(), [dist.group.WORLD]))
+            real_set(LONG_TIMEOUT_S, [dist.group.WORLD])
+        return result
+
+    def apply():
+        for seconds, groups in recorded:
+            real_set(seconds, groups)
+    heartbeat.set_collective_timeout = set_collective_timeout
+    dist.init_process_group = init_process_group
+    return apply
+
+
 def install() -> None:
     from fairseq.trainer import Trainer
     import fairseq.file_io
@@ -63,15 +103,23 @@ def install() -> None:
 
     state = {"update": 0}
     real_train_step = Trainer.train_step
+    apply_timeouts = defer_collective_timeouts() if phase == "hang" else None
 
     def train_step(self, samples, raise_oom=False):
         state["update"] = self.get_num_updates() + 1
         armed = mine and state["update"] == update
+        if apply_timeouts is not None and state["update"] == update:
+            apply_timeouts()
         if armed:
             arm(self.model, self.optimizer)
         if phase == "disk-full" and mine and state["update"] >= update:
             resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, resource.RLIM_INFINITY))
-        return real_train_step(self, samples, raise_oom)
+        try:
+            return real_train_step(self, samples, raise_oom)
+        except BaseException:
+            if state["update"] == update:
+                update_failed.set()
+            raise
 
     # fairseq's Trainer.train_step: FSDP2Trainer calls it through super()
     Trainer.train_step = train_step
@@ -87,11 +135,15 @@ def install() -> None:
 
     real_persistent_save = checkpoint_utils.torch_persistent_save
 
-    def persistent_save(*args, **kwargs):
-        if phase == "nan" and state["update"] == update and \
+    def persistent_save(obj, filename, *args, **kwargs):
+        if phase == "nan" and os.path.basename(filename) == "crash.pt" and \
                 threading.current_thread() is not threading.main_thread():
-            time.sleep(5)  # longer than fairseq takes to re-run the update and raise
-        return real_persistent_save(*args, **kwargs)
+            # once the main thread waits for it (the plugin's wait_pending before fairseq
+            # raises) or has gone past it (an error out of train_step: nothing waited, and an
+            # exit then loses the file)
+            main_thread.wait_until(lambda: update_failed.is_set()
+                                   or main_thread.waits_in("wait_pending"))
+        return real_persistent_save(obj, filename, *args, **kwargs)
     checkpoint_utils.torch_persistent_save = persistent_save
 
     real_copyfile = shutil.copyfile

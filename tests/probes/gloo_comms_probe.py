@@ -4,7 +4,8 @@
    bit for bit; each reduce-scatter output element's difference, as a multiple of
    gamma(n - 1) x (the sum of its n terms' magnitudes) (see ``collectives``); and the resident
    memory each adds (VmHWM reset before, read after; outputs allocated and written beforehand,
-   so only temporaries count).
+   so only temporaries count), at 16 MiB and 4 MiB shards (what grows with the data is the
+   difference).
 2. Through FSDP2: two copies of one model, sharded alike (uneven rows, a unit per layer and a
    root), trained 3 Adam steps on the same batches, one with FSDP2's collectives and one after
    ``gloo_collectives.install``; every parameter compared bit for bit; and how often FSDP2 called the
@@ -17,17 +18,19 @@
    ``MixedPrecisionPolicy(param_dtype=reduce_dtype=fp16 or bf16)``, whose reduce-scatter input
    is in that dtype (fp16: pre- and post-divided, a SUM; bf16: an AVG): the installed
    collectives give the same bits as FSDP2's own, and the input they get is in that dtype.
-4. What the fp16 reduction computes, against stock fairseq's legacy_ddp arithmetic on the same
-   local fp16 gradients (each divided by the world size in fp16, then all-reduced in fp16):
+4. What the fp16 reduction computes, against stock fairseq's legacy_ddp on the same local fp16
+   gradients (its ``LegacyDistributedDataParallel.all_reduce_grads`` itself, not a copy: each
+   gradient divided by the world size in fp16, then all-reduced in fp16):
    FSDP2's sharded gradient with reduce dtype fp16, and with fp32 (the default), compared bit
    for bit; and a gradient of 40,000 per rank (finite in fp16, as is its mean), reduced by
-   FSDP2 in fp16 and by legacy_ddp's arithmetic: which of the two overflows.
+   FSDP2 in fp16 and by legacy_ddp's code: which of the two overflows.
 """
 import os
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from fairseq.distributed.legacy_distributed_data_parallel import LegacyDistributedDataParallel
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -147,11 +150,15 @@ def train(mesh, install: bool, reduce_dtype=None):
 
 
 def legacy_ddp_fp16_reduce(grad: torch.Tensor, group) -> torch.Tensor:
-    """Stock fairseq's legacy_ddp on an fp16 gradient: divided by the world size, all-reduced."""
-    buffer = grad.clone()
-    buffer.div_(group.size())
-    dist.all_reduce(buffer, group=group)
-    return buffer
+    """Stock fairseq's legacy_ddp on an fp16 gradient, by its own code: a module holding one
+    fp16 parameter whose gradient is ``grad``, wrapped in fairseq's
+    ``LegacyDistributedDataParallel`` (what ``--ddp-backend legacy_ddp`` builds), whose
+    ``all_reduce_grads`` (what fairseq's FP16Optimizer calls on the fp16 model) reduces it."""
+    holder = nn.Module()
+    holder.weight = nn.Parameter(torch.zeros_like(grad))
+    holder.weight.grad = grad.clone()
+    LegacyDistributedDataParallel(holder, group).all_reduce_grads()
+    return holder.weight.grad
 
 
 def sharded_grad(mesh, reduce_dtype, weight: torch.Tensor, x: torch.Tensor) -> tuple:
@@ -205,6 +212,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     report = {"collectives": collectives(mesh.get_group(), 16 * MIB // 4),
+              "quarter": collectives(mesh.get_group(), 4 * MIB // 4),
               "uneven": collectives(mesh.get_group(), 1001)}
     theirs, _, _ = train(mesh, install=False)
     ours, calls, _ = train(mesh, install=True)

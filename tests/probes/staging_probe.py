@@ -4,15 +4,16 @@ held back until the optimizer step after it has begun: test code.
 A tiny FSDP2 model takes one Adam step, is saved with ``async_save.start``, and takes a second
 step at once. The staging thread's copies (``Tensor.copy_`` in a thread named
 ``fsdp2-staging``) wait until that step has begun (a step pre-hook registered before the
-plugin's, so it runs first) and a moment more: unless the plugin's pre-hook holds the step
-until the copy is done, the step changes the parameters while they are copied. The saved shards
+plugin's, so it runs first) and then until either the plugin's pre-hook holds the main thread
+or the step has ended (a post-hook): events, not a sleep, so a loaded machine cannot let a step
+that is not held finish after the copy. Unless the plugin's pre-hook holds the step until the
+copy is done, the step changes the parameters before they are copied. The saved shards
 must hold the first step's values.
 Prints ``PROBE {"saved_equals_before": bool, "changed_by_step": bool}``.
 """
 import os
 import tempfile
 import threading
-import time
 
 import torch
 import torch.distributed as dist
@@ -22,17 +23,19 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from fairseq_fsdp2.checkpoint import async_save, sharded
+import main_thread
 from probe_report import report_and_exit
 
-step_begun = threading.Event()
+step_begun, step_done = threading.Event(), threading.Event()
 real_copy = torch.Tensor.copy_
-HOLD_S = 0.5  # so that a step not held by the plugin changes the parameters first
-
-
 def copy_(self, src, non_blocking=False):
     if threading.current_thread().name.startswith("fsdp2-staging"):
+        # copy once the step cannot change the parameters under the copy any more: either the
+        # plugin holds it (correct), or it has already run (the bug this probe catches: the
+        # saved values are then the second step's)
         step_begun.wait()
-        time.sleep(HOLD_S)
+        main_thread.wait_until(lambda: step_done.is_set()
+                               or main_thread.waits_in("_wait_for_staging"))
     return real_copy(self, src, non_blocking)
 
 
@@ -46,6 +49,7 @@ def main() -> None:
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     optimizer.register_step_pre_hook(lambda *_: step_begun.set() if saving else None)
+    optimizer.register_step_post_hook(lambda *_: step_done.set() if saving else None)
     saving = False
 
     def step():

@@ -24,9 +24,10 @@ from launcher import run_ranks, train_inner
 
 PROBES = str(REPO / "tests" / "probes")
 UPDATES, LOG_EVERY = 20, 5
-#: --heartbeat-timeout: it bounds the rendezvous of two fresh interpreters and every collective
-#: of the run, so it must outlast a rank descheduled on a loaded 2-core machine (seen: imports
-#: taking 2 minutes at load 20, ranks apart by seconds); the export is made to last longer than it
+#: --heartbeat-timeout: it bounds the rendezvous of the two ranks and every collective of the run,
+#: so it must outlast a rank descheduled on a loaded 2-core machine; the ranks' imports (seen
+#: taking 2 minutes at load 20, ranks apart by seconds) are outside it: the probe starts the run
+#: once both have imported (probes/end_of_run.py). The export is made to last longer than it
 TIMEOUT_S = 10
 
 

@@ -2,6 +2,8 @@
 
 - Every rank registers an ``atexit`` handler that writes ``END_DIR/atexit-rank<R>``: it appears
   only if the run's exit handlers ran (a bare ``os._exit`` skips them).
+- The ranks start the run together: each waits until every rank has imported fairseq and the
+  plugin (the --heartbeat-timeout that bounds the rendezvous does not then include imports).
 - Rank 0's consolidated export is slow on purpose: before reading the shards it waits until
   every other rank's process has ended and at least ``SLOW_EXPORT_S`` seconds have passed
   (at most ``GIVE_UP_S``), then writes ``END_DIR/export.json`` with what it saw. If the other
@@ -62,5 +64,23 @@ if rank == 0:
 
     export._fsdp2_model = _slow(export._fsdp2_model)
 
+
+
+def _all_imported() -> None:
+    """Wait (at most GIVE_UP_S) until every rank has imported fairseq and the plugin: the
+    run's --heartbeat-timeout also bounds the rendezvous, and fresh interpreters on a loaded
+    machine finish their imports seconds apart; after this they meet within a parse."""
+    mine = os.path.join(END_DIR, f"imported{rank}")
+    with open(mine, "w") as f:
+        f.write(str(time.time()))
+    started = time.monotonic()
+    while time.monotonic() - started < GIVE_UP_S:
+        if all(os.path.exists(os.path.join(END_DIR, f"imported{r}")) for r in range(world)):
+            return
+        time.sleep(0.05)
+
+
 if __name__ == "__main__":
+    import fairseq_fsdp2  # noqa: F401  (what --user-dir would import, before the rendezvous)
+    _all_imported()
     cli_main()

@@ -92,9 +92,10 @@ class CheckpointError(FSDP2Error):
 
 
 class TrainingStopped(FSDP2Error):
-    """Training cannot go on: a rank was lost, memory ran out, a save failed. The other ranks
-    may be inside a collective, so the process leaves at once (``os._exit``); the work since the
-    last checkpoint is lost, and the same command resumes from it."""
+    """Training cannot go on: a rank was lost, memory ran out, a save failed. The work since the
+    last checkpoint is lost, and the same command resumes from it. After a lost rank a training
+    command leaves at once (``os._exit``): the other ranks may be inside a collective with it
+    (launch/lifecycle.py)."""
 
     exit_status = 1
 

@@ -1,6 +1,6 @@
-"""How a probe ends: one ``PROBE {json}`` line for the test to read, then the clean exit the
-plugin uses (barrier, destroy the group, ``os._exit``: gloo with a device mesh aborts at
-interpreter exit in about half of CPU runs, see launch.py)."""
+"""How a probe ends: one ``PROBE {json}`` line for the test to read, then every rank meets,
+leaves the process group and ends at once (``os._exit``: a probe is a test's program, with
+nothing of its own to tear down)."""
 import json
 import os
 

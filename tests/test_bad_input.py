@@ -351,8 +351,8 @@ def read_only_dir(tmp_path):
          "plot-memory-read-only", "prepare-data-read-only"])
 def test_an_output_that_cannot_be_written_stops_before_reading(files, tmp_path, request,
                                                                 module, where, message):
-    """Our other commands: an output they cannot write is one line, exit status 2 (prepare_data:
-    1, as all its errors), before they read their input (the checkpoint, the memory log, the raw text); nothing is written."""
+    """Our other commands: an output they cannot write is one line, exit status 2, before they
+    read their input (the checkpoint, the memory log, the raw text); nothing is written."""
     read_only = request.getfixturevalue("read_only_dir") if "read_only" in where else None
     out = where.format(read_only=read_only, plain_file=files["plain_file"], tmp=tmp_path)
     inputs = {"fairseq_fsdp2.consolidate": [files["good"]],
@@ -362,8 +362,7 @@ def test_an_output_that_cannot_be_written_stops_before_reading(files, tmp_path, 
     result, = run_ranks(1, lambda r: [*inputs, out], module=module, torchrun_env=False,
                         timeout=120)
     errors = [l for l in result.output.splitlines() if ": error:" in l]
-    status = 1 if module == "fairseq_fsdp2.data.prepare" else 2  # as its other errors
-    assert result.returncode == status and errors == [
+    assert result.returncode == 2 and errors == [
         message.format(out=out, read_only=read_only, plain_file=files["plain_file"],
                        tmp=tmp_path)], result.output[-3000:]
     assert "Traceback" not in result.output

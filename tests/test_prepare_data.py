@@ -3,6 +3,8 @@ fairseq-train run of translation_multi_simple_epoch on it, and one-line errors t
 nothing behind."""
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 import shutil
 import subprocess
@@ -28,12 +30,13 @@ def run_main(*argv) -> None:
 
 
 def error_of(*argv) -> str:
-    """The message of the SystemExit a failing run raises (what the CLI prints to stderr)."""
-    with pytest.raises(SystemExit) as info:
+    """The one line a failing run prints to stderr (it then exits with status 2)."""
+    with pytest.raises(SystemExit) as info, contextlib.redirect_stderr(io.StringIO()) as err:
         run_main(*argv)
-    message = str(info.value.code)
-    assert message.startswith("prepare_data: error: ") and "\n" not in message, message
-    return message
+    assert info.value.code == 2, info.value.code
+    message = err.getvalue()
+    assert message.startswith("prepare_data: error: ") and message.count("\n") == 1, message
+    return message.rstrip("\n")
 
 
 def leftovers(parent: Path) -> list[str]:
@@ -273,7 +276,7 @@ def test_cli_error_is_one_line_and_nonzero(raw, tmp_path):
     (tmp_path / "dest" / "x").write_text("")
     proc = subprocess.run([str(REPO / "scripts" / "prepare_data.sh"), str(raw),
                            str(tmp_path / "dest")], capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
+    assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("prepare_data:")]
     assert errors == [f"prepare_data: error: destination {tmp_path / 'dest'} exists and is not "
                       "empty (use --overwrite)"]

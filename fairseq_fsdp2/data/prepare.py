@@ -22,13 +22,14 @@ vocabulary of a pretrained model (grow_vocab.py). Everything is written into a t
 directory next to DEST and renamed at the end, so a failed run leaves no half-written DEST
 behind.
 
-Errors are one line on stderr starting ``prepare_data: error:``, with a non-zero exit status.
+Errors are one line on stderr starting ``prepare_data: error:``, with exit status 2.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
@@ -285,8 +286,9 @@ def main(argv=None) -> None:
     quiet = args.pop("quiet")
     try:
         prepare(**args, log=(lambda *a: None) if quiet else print)
-    except PrepareError as e:
-        raise SystemExit(f"prepare_data: error: {e}") from None
+    except PrepareError as e:  # bad input: one line, exit status 2, as the plugin's commands
+        print(f"prepare_data: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-from typing import Optional
+import sys
+from typing import NoReturn, Optional
 
 #: set to 1 for tracebacks (and argparse's usage) instead of one-line errors
 DEBUG_ENV = "FAIRSEQ_FSDP2_DEBUG"
@@ -72,6 +73,13 @@ def first_line(error: BaseException, limit: Optional[int] = 200) -> str:
     its type's name when it has none: what a one-line report quotes of a long message."""
     text = str(error).strip()
     return text.splitlines()[0][:limit] if text else type(error).__name__
+
+
+def exit_bad_input(line: str) -> NoReturn:
+    """A command-line tool's bad input (estimate, prepare_data): ``line`` alone on stderr, exit
+    status 2, argparse's status for a bad flag."""
+    print(line, file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 class FSDP2Error(Exception):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
+from .errors import exit_bad_input
 from .estimator import from_args
 from .estimator.fit import largest_max_tokens
 from .estimator.peak import Estimate, format_summary
@@ -37,8 +38,8 @@ def estimate_args(argv: Sequence[str]) -> list[Estimate]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = from_args.parse(sys.argv[1:] if argv is None else argv)
     if args.fit_gb is not None and args.fit_gb <= 0:
-        raise SystemExit(f"fairseq_fsdp2.estimate: error: --fit-gb {args.fit_gb:g}: give the "
-                         f"memory per rank in GiB, a positive number")
+        exit_bad_input(f"fairseq_fsdp2.estimate: error: --fit-gb {args.fit_gb:g}: give the "
+                       f"memory per rank in GiB, a positive number")
     estimates = from_args.estimates(args)
     if len(estimates) == 1:
         print(estimates[0].table())

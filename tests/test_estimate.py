@@ -371,7 +371,7 @@ def test_16_bit_adam_moments_halve_the_optimizer_state():
     assert setup(*ddp, "--bf16", "--bf16-adam-stats", world=1).adam_stats == "fp32"
 
 
-def test_16_bit_reduce_dtype_halves_the_reduce_scatter_input():
+def test_16_bit_reduce_dtype_halves_the_reduce_scatter_input(capsys):
     """--fsdp2-reduce-dtype fp16 (with --fp16) or bf16 (with --bf16): FSDP2's reduce-scatter
     input holds 2 bytes per element instead of 4, and so does its output, which FSDP2 then
     casts to the fp32 sharded gradient (_to_dtype_if_needed: both alive at the cast). NLLB-3.3B
@@ -404,9 +404,9 @@ def test_16_bit_reduce_dtype_halves_the_reduce_scatter_input():
     assert ddp.reduce_dtype == "fp32"
     with pytest.raises(SystemExit) as stop:
         from_args.setup_for(from_args.parse(base + ["--fp16", "--fsdp2-reduce-dtype", "bf16"]), 2)
-    assert str(stop.value.code) == ("fairseq_fsdp2.estimate: error: --fsdp2-reduce-dtype bf16 "
-                                    "needs --bf16: gradients are reduced in fp32 or in the "
-                                    "compute dtype, here fp16")
+    assert stop.value.code == 2 and capsys.readouterr().err == (
+        "fairseq_fsdp2.estimate: error: --fsdp2-reduce-dtype bf16 needs --bf16: gradients are "
+        "reduced in fp32 or in the compute dtype, here fp16\n")
 
 
 @pytest.mark.slow
@@ -546,14 +546,14 @@ def test_cli_prints_the_breakdown(capsys):
     assert lines[3].split()[0] == "1" and lines[4].split()[0] == "64"
 
 
-def test_cli_with_missing_data_is_one_line(tmp_path):
+def test_cli_with_missing_data_is_one_line(tmp_path, capsys):
     """DATA without fairseq-preprocess's dictionaries (and no --vocab-size): one line naming
-    what is missing and the two ways out, no traceback (as ``python -m``: SystemExit's text
-    on stderr, exit status 1)."""
+    what is missing and the two ways out, no traceback, exit status 2."""
     with pytest.raises(SystemExit) as stop:
         cli.main([str(tmp_path / "absent"), "--task", "translation",
                   "--arch", "transformer_nllb_600m", "--max-tokens", "4096"])
-    message = str(stop.value.code)
+    assert stop.value.code == 2
+    message = capsys.readouterr().err.removesuffix("\n")
     assert message.startswith(f"fairseq_fsdp2.estimate: error: data not found: "
                               f"{tmp_path / 'absent'}") and "\n" not in message, message
     assert "--vocab-size V" in message

@@ -29,14 +29,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
 import sentencepiece as spm
 
-from ..errors import unwritable
+from ..errors import exit_bad_input, unwritable
 from ..hf.vocab import FILLER, dictionary_for
 from ..models.nllb_languages import NLLB200_LANGS
 from . import grow_vocab
@@ -287,8 +286,7 @@ def main(argv=None) -> None:
     try:
         prepare(**args, log=(lambda *a: None) if quiet else print)
     except PrepareError as e:  # bad input: one line, exit status 2, as the plugin's commands
-        print(f"prepare_data: error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        exit_bad_input(f"prepare_data: error: {e}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from fairseq import options, tasks
 from fairseq.data import Dictionary
 
 from ..launch import preflight
-from ..errors import OptionError
+from ..errors import OptionError, exit_bad_input
 from ..options import (FSDP2_BACKEND, LEGACY_FSDP_BACKEND, check_reduce_dtype,
                        tied_grad_buffer_on)
 from .ledger import Setup
@@ -64,8 +64,8 @@ def backend_of(args) -> str:
         return "fsdp2"
     if backend in DDP_BACKENDS:
         return "legacy_ddp"
-    raise SystemExit(f"fairseq_fsdp2.estimate: error: --ddp-backend {backend} is not modelled "
-                     f"(use fsdp2, fully_sharded or legacy_ddp)")
+    exit_bad_input(f"fairseq_fsdp2.estimate: error: --ddp-backend {backend} is not modelled "
+                   f"(use fsdp2, fully_sharded or legacy_ddp)")
 
 
 def adam_stats_of(args) -> str:
@@ -106,7 +106,7 @@ def reduce_dtype_of(args) -> str:
         check_reduce_dtype(reduce, fp16=precision_of(args) == "fp16",
                            bf16=precision_of(args) == "bf16")
     except OptionError as e:
-        raise SystemExit(f"fairseq_fsdp2.estimate: error: {e}") from None
+        exit_bad_input(f"fairseq_fsdp2.estimate: error: {e}")
     return reduce
 
 
@@ -150,8 +150,8 @@ def build_task(args):
         problem = preflight.data_error(e, getattr(args, "data", None))
         if problem is None:
             raise
-        raise SystemExit(f"fairseq_fsdp2.estimate: error: {problem}, or give --vocab-size V "
-                         f"instead of DATA") from None
+        exit_bad_input(f"fairseq_fsdp2.estimate: error: {problem}, or give --vocab-size V "
+                       f"instead of DATA")
 
 
 def build_meta_model(args):

@@ -87,7 +87,9 @@ def test_reshard_settings(model):
 def test_table_lists_every_unit_with_its_share(model):
     plan = build_plan(model, world_size=2, min_params_to_wrap=1)
     lines = plan.table().splitlines()
-    assert len(lines) == 3 + len(plan.units)  # heading, header, rule, one row a unit
+    # heading, header, rule, one row a unit, the modules a task may call on their own
+    assert len(lines) == 4 + len(plan.units)
+    assert lines[-1].endswith("(then gathered with the root unit): encoder, decoder")
     assert "encoder.layers.0" in lines[3] and "%" in lines[1]
 
 

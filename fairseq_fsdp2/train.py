@@ -20,7 +20,8 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
-import fairseq_fsdp2  # noqa: F401  (installs the plugin before fairseq builds its parser)
+# Nothing to import for the plugin: Python imports this module's package, fairseq_fsdp2, first,
+# and that installs the plugin (its __init__.py) before fairseq builds its parser below.
 
 
 def cli_main(argv: Optional[Sequence[str]] = None) -> None:

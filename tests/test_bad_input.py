@@ -196,6 +196,16 @@ CATALOGUE = {
         (1, ["--arch", "transformer_tied_layers"], "parameter tie between encoder.layers.0.fc1, "
                                                    "encoder.layers.1.fc1 crosses a layer unit",
          "tied_layers")],
+    "a model with one module in several units (latent depth's `layer_select`, which every layer "
+    "of its encoder holds, with layer units)": [
+        (1, ["--user-dir", "examples/latent_depth/latent_depth_src", "--task",
+             "multilingual_translation_latent_depth", "--arch", "latent_multilingual_transformer",
+             "--lang-pairs", "src-tgt", "--encoder-latent-layer", "--share-encoders",
+             "--share-decoders"],
+         "module models.src-tgt.encoder.layer_select is also "
+         "models.src-tgt.encoder.layers.0.layer_select, "
+         "models.src-tgt.encoder.layers.1.layer_select: one module in several FSDP2 units",
+         "fairseq_fsdp2.train")],
     "`--restore-file` or `--finetune-from-model` that does not exist": [
         (1, ["--restore-file", "{absent}"], "--restore-file not found: {absent}"),
         (2, ["--finetune-from-model", "{absent}"], "--finetune-from-model not found: {absent}")],

@@ -87,7 +87,9 @@ def test_reshard_settings(model):
 def test_table_lists_every_unit_with_its_share(model):
     plan = build_plan(model, world_size=2, min_params_to_wrap=1)
     lines = plan.table().splitlines()
-    assert len(lines) == 3 + len(plan.units)  # heading, header, rule, one row a unit
+    # heading, header, rule, one row a unit, the modules a task may call on their own
+    assert len(lines) == 4 + len(plan.units)
+    assert lines[-1].endswith("(then gathered with the root unit): encoder, decoder")
     assert "encoder.layers.0" in lines[3] and "%" in lines[1]
 
 
@@ -112,3 +114,50 @@ def test_tie_crossing_a_layer_unit_is_refused():
     # below the threshold the layer stays unwrapped and the tie is grouped instead
     plan = build_plan(m, world_size=2, min_params_to_wrap=10 ** 6)
     assert [u.module_paths for u in plan.units if u.kind == SHARED] == [("embed", "layers.0")]
+
+
+def test_entries_are_the_roots_children_with_parameters_or_a_containers_children(model):
+    """What a task may call on its own (plan.py): here the encoder and decoder; a multi-model's
+    sub-models in place of its ModuleDict; not a unit, which gathers itself."""
+    assert build_plan(model, world_size=2, min_params_to_wrap=1).entries == ("encoder",
+                                                                             "decoder")
+    multi = nn.Module()
+    multi.models = nn.ModuleDict({"a-b": nn.Linear(2, 2), "b-a": nn.Linear(2, 2)})
+    multi.buffers_only = nn.Module()
+    plan = build_plan(multi, world_size=2, min_params_to_wrap=1)
+    assert plan.entries == ("models.a-b", "models.b-a")
+    assert "then gathered with the root unit): models.a-b, models.b-a" in plan.table()
+    multi.layers = nn.ModuleList([nn.Linear(2, 2)])  # a layer unit of the root: no entry
+    assert build_plan(multi, world_size=2, min_params_to_wrap=1).entries == (
+        "models.a-b", "models.b-a")
+
+
+def _shared_by_layers() -> nn.Module:
+    """A module every layer holds a reference to (as latent depth's layer_select)."""
+    m = nn.Module()
+    m.select = nn.Linear(2, 2)
+    m.layers = nn.ModuleList([nn.Sequential(nn.Linear(2, 2)) for _ in range(2)])
+    for layer in m.layers:
+        layer.select = m.select
+    return m
+
+
+def test_a_module_in_several_units_is_refused_and_a_shared_encoder_is_not():
+    with pytest.raises(PlanError, match=r"module layers.0.select is also layers.1.select, "
+                                        r"select: one module in several FSDP2 units "
+                                        r"\(layers.0, layers.1, root\)"):
+        build_plan(_shared_by_layers(), world_size=2, min_params_to_wrap=1)
+    # without layer units it stays in the root: accepted
+    plan = build_plan(_shared_by_layers(), world_size=2, min_params_to_wrap=10 ** 6)
+    assert [u.kind for u in plan.units] == [ROOT]
+    # an encoder shared by two sub-models: its layers are the same units under both paths
+    encoder = nn.Module()
+    encoder.layers = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+    encoder.norm = nn.LayerNorm(2)
+    multi = nn.Module()
+    multi.models = nn.ModuleDict({"a": nn.Module(), "b": nn.Module()})
+    multi.models["a"].encoder = multi.models["b"].encoder = encoder
+    plan = build_plan(multi, world_size=2, min_params_to_wrap=1)
+    assert [u.name for u in plan.layer_units] == ["models.a.encoder.layers.0",
+                                                  "models.a.encoder.layers.1"]
+    assert plan.entries == ("models.a", "models.b")

@@ -15,6 +15,10 @@ forward output that requires grad is a view): with fairseq's transformer the vie
 - ``TransformerModel`` (the root): ``extra["inner_states"][0]``, the decoder input after
   ``x.transpose(0, 1)``, and with ``features_only=True`` (the chunked loss) output[0], the
   features after ``x.transpose(0, 1)``;
+- a ``FairseqMultiModel`` root (``MultilingualTransformerModel``, latent depth's
+  ``LatentMultilingualTransformerModel``): a task's call of a sub-model runs in the root's hooks
+  (sharding/apply_plan.py, ``route_direct_calls``) and returns that sub-model's output, the
+  transformer's tensors above;
 - the shared-embedding unit (``TiedGradLinear, TiedGradEmbedding``, or ``Linear, Embedding``
   without the tied-gradient buffer) in the chunked loss: the same tensors as the root.
 The warning is about an in-place op on such a view, which would rebase it and drop the hook
@@ -46,6 +50,8 @@ class Quiet:
 
 
 _FSDP2_UNITS_WITH_VIEWS = ("FSDPTransformerDecoderLayerBase", "FSDPTransformerModel",
+                           "FSDPMultilingualTransformerModel",
+                           "FSDPLatentMultilingualTransformerModel",
                            "FSDPTiedGradLinear, FSDPTiedGradEmbedding",
                            "FSDPLinear, FSDPEmbedding")
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
-                                    fully_shard)
+                                    fully_shard, register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import gloo_collectives
@@ -36,7 +36,52 @@ def apply_plan(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, *,
         logger.info("gloo: FSDP2 all-gathers by broadcast and reduce-scatters by all-reduce "
                     "(gloo's own collectives hold a temporary as large as their output/input)")
     model.register_load_state_dict_pre_hook(_shard_full_tensors)
+    route_direct_calls(model, plan.entries)
     return model
+
+
+#: the root's method names under which route_direct_calls registers each entry's forward
+DIRECT_CALL_PREFIX = "fsdp2_direct_call_"
+
+
+def route_direct_calls(model: nn.Module, entries) -> None:
+    """Each entry module (plan.py: a module a task may call on its own), called while the root's
+    forward is not running, runs inside the root unit's FSDP2 forward hooks, as a call of the
+    root would: the root's parameters are gathered first (and the root lazily initialized, so
+    the units inside stay non-root), resharded after as the root's setting says, gathered again
+    for backward, and their gradients reduce-scattered at its end. torch's public
+    ``register_fsdp_forward_method`` does it: the entry's forward is registered as a method of
+    the root. Calls made inside the root's forward (and inside a routed call) run plainly."""
+    depth = [0]
+
+    def enter(*_):
+        depth[0] += 1
+
+    def leave(*_):
+        depth[0] -= 1
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)
+    modules = dict(model.named_modules())
+    for path in entries:
+        module = modules[path]
+        name = DIRECT_CALL_PREFIX + "".join(c if c.isalnum() else "_" for c in path)
+        plain = module.forward
+        object.__setattr__(model, name, plain)  # an attribute, not a submodule
+        register_fsdp_forward_method(model, name)
+        module.forward = _routed(plain, getattr(model, name), depth)
+
+
+def _routed(plain, through_root, depth):
+    def forward(*args, **kwargs):
+        if depth[0]:
+            return plain(*args, **kwargs)
+        depth[0] += 1
+        try:
+            return through_root(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+    return forward
 
 
 def _shard_full_tensors(module, state_dict, prefix, *_):

@@ -10,6 +10,17 @@ Policy (all of it lives here):
 - Modules that share a parameter (the NLLB embedding: encoder input, decoder input, output
   projection) form one grouped unit. Splitting them would untie the weight.
 - Everything else stays in the root unit.
+- Entry modules: fairseq's tasks and criteria call parts of a model on their own, outside the
+  root's ``forward`` (``model.encoder``/``model.decoder`` in translation_moe, each
+  ``FairseqMultiModel.models[pair]`` in multilingual_translation). The root's children that
+  hold parameters are entries (a container child, a ModuleDict or ModuleList with no forward of
+  its own, gives its children instead); a call of one while the root's forward is not running
+  goes through the root unit's FSDP2 forward hooks (``apply_plan.route_direct_calls``), so the
+  root's parameters are gathered for it and its gradients reduced after backward, as for a call
+  of the root itself. Entries that are units themselves gather their own parameters.
+- A module reachable under several paths (an encoder shared by several language pairs, a
+  module each layer holds a reference to) must lie in one unit: one that several units would
+  hold stops the run at start (``PlanError``), naming it.
 - Reshard after forward: layer units follow ``--no-reshard-after-forward`` or
   ``--fsdp2-reshard-degree``; the root and the shared-embedding unit follow
   ``--fsdp2-root-reshard`` (they are used at both ends of forward and backward).
@@ -52,6 +63,8 @@ class ShardingPlan:
     world_size: int
     min_params_to_wrap: int
     warnings: list[str] = field(default_factory=list)
+    #: modules a task may call on their own: such calls gather the root unit (module docstring)
+    entries: tuple[str, ...] = ()
 
     @property
     def root(self) -> Unit:
@@ -74,6 +87,9 @@ class ShardingPlan:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
+        if self.entries:
+            lines.append("called on their own outside the root's forward (then gathered with "
+                         "the root unit): " + ", ".join(self.entries))
         head = (f"FSDP2 sharding plan: {len(self.units)} units over {self.world_size} rank(s), "
                 f"{self.total_params:,} parameters, --min-params-to-wrap {self.min_params_to_wrap:,}")
         return "\n".join([head] + lines + [f"WARNING: {w}" for w in self.warnings])
@@ -120,6 +136,44 @@ def tied_groups(model: nn.Module) -> list[list[str]]:
         new = sorted(set(paths).union(*map(set, merged)))
         groups = [g for g in groups if g not in merged] + [new]
     return sorted(groups)
+
+
+def entry_modules(model: nn.Module) -> list[str]:
+    """The paths of the modules a task may call on their own (module docstring): the root's
+    children holding parameters; a container child's children in its place."""
+    found = []
+    for name, child in model.named_children():
+        inner = (child.named_children() if isinstance(child, (nn.ModuleDict, nn.ModuleList))
+                 else [(None, child)])
+        for sub, module in inner:
+            if next(module.parameters(), None) is not None:
+                found.append(name if sub is None else f"{name}.{sub}")
+    return found
+
+
+def check_shared_modules(model: nn.Module, unit_of_path: dict[str, str]) -> None:
+    """A module object reachable under several paths must lie in one unit: the unit of a path
+    is its nearest enclosing unit module (by identity, so a shared encoder's layers, one unit
+    each, are the same units under every path). ``unit_of_path``: each unit module's path ->
+    its unit's name. PlanError naming the module otherwise."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    unit_ids = {id(modules[p]): name for p, name in unit_of_path.items()}
+    places: dict[int, dict[str, str]] = {}
+    for path, module in modules.items():
+        if not path or next(module.parameters(recurse=False), None) is None:
+            continue
+        parts = path.split(".")
+        unit = next((unit_ids[id(modules[".".join(parts[:i])])] for i in range(len(parts), 0, -1)
+                     if id(modules[".".join(parts[:i])]) in unit_ids), ROOT)
+        places.setdefault(id(module), {}).setdefault(unit, path)
+    for held in places.values():
+        if len(held) > 1:
+            paths = sorted(held.values())
+            units = ", ".join(sorted(held))
+            raise PlanError(f"module {paths[0]} is also {', '.join(paths[1:])}: one module in "
+                            f"several FSDP2 units ({units}) would be sharded twice; raise "
+                            "--min-params-to-wrap above those layers' size to keep them in "
+                            "the root unit")
 
 
 def count_params(modules: list[nn.Module], exclude: set[int] = frozenset()) -> int:
@@ -170,9 +224,12 @@ def build_plan(model: nn.Module, *, world_size: int, min_params_to_wrap: int,
         units.append(Unit("shared" if len(groups) == 1 else f"shared{i}", SHARED, tuple(g), n,
                           shared_setting))
     total = count_params([model])
+    check_shared_modules(model, {p: u.name for u in units for p in u.module_paths})
+    unit_ids = {id(modules[p]) for u in units for p in u.module_paths}
+    entries = tuple(p for p in entry_modules(model) if id(modules[p]) not in unit_ids)
     units.append(Unit(ROOT, ROOT, ("",), count_params([model], managed), root_setting))
 
-    plan = ShardingPlan(units, total, world_size, min_params_to_wrap)
+    plan = ShardingPlan(units, total, world_size, min_params_to_wrap, entries=entries)
     if world_size > 1 and candidates and not layers:
         largest = max(count_params([m]) for _, m in candidates)
         plan.warnings.append(

@@ -277,6 +277,19 @@ class TrainerCheckpoints:
             raise CheckpointError(smaller_dictionary(rows[1], rows[0], filename))
         return rows is not None
 
+    def resolve_shards_before_the_models_own_load(self, model) -> None:
+        """A model class's own ``load_state_dict`` may read the keys before nn.Module's (and
+        its pre-hook, ``_load_sharded_model``) sees them: fairseq's
+        MultilingualTransformerModel asserts that every key starts with ``models.``, which the
+        sharded checkpoint's marker does not. Load the shards first, then hand the class's
+        method the model's own keys."""
+        class_load = model.load_state_dict
+
+        def load_state_dict(state_dict, *args, **kwargs):
+            self._load_sharded_model(model, state_dict, "")
+            return class_load(state_dict, *args, **kwargs)
+        model.load_state_dict = load_state_dict
+
     def _load_sharded_model(self, module, state_dict, prefix, *_):
         if prefix or sharded.SHARDED not in state_dict:
             return

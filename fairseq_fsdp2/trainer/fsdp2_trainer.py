@@ -118,6 +118,7 @@ class FSDP2Trainer(TrainerEMA, TrainerCheckpoints, Trainer):
             meta_build.materialize(model, self.device,
                                    torch.device("cpu") if dt.cpu_offload else None)
         model.register_load_state_dict_pre_hook(self._load_sharded_model)
+        self.resolve_shards_before_the_models_own_load(model)
         if dt.fsdp2_no_sync_micro_batches:
             # fairseq's update-freq loop calls model.no_sync() on all but the last micro-batch
             # when the model has one; give the sharded model FSDP2's equivalent.

@@ -7,7 +7,7 @@ every step (below); the second moment decays as in float32 where rounding to nea
 keep it; the map is bitsandbytes' dynamic map. Then fairseq-train runs: training against
 float32 moments, exact resume, the export. Elsewhere: the 2 -> 3 rank reshard and conversions
 (tests/test_adam_stats.py), the local-shard step against DTensor dispatch
-(tests/test_local_shards.py), the estimate (tests/test_estimate.py).
+(tests/test_local_shards.py), the estimate (tests/test_estimate_rules.py).
 
 The bound. A block of the float32 moment y (BLOCK elements of a row) is stored as codes c and
 A = max|y| (exact: a maximum rounds nothing). Each element: x = fl(y / A), |x - y / A| <= U32

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_estimate import GIB, nllb_args
+from test_estimate_rules import GIB, nllb_args
 
 from fairseq_fsdp2 import estimate as cli
 from fairseq_fsdp2.estimator import from_args

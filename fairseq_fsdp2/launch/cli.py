@@ -5,9 +5,8 @@ The plugin owns the process when the run comes through one of fairseq's training
 (``fairseq-train``, ``fairseq-hydra-train``, ``python -m fairseq_cli.train``, ``python -m
 fairseq_fsdp2.hydra_train`` and its script, each also as a torchrun or SLURM rank) or runs on a
 rank the plugin started itself (spawn.py), and the run is not one job of a hydra ``--multirun``
-sweep. There an error ends the
-process with one ``fairseq_fsdp2: error: ...`` line and its status (2: bad input, 1: training
-stopped). Anywhere else (a Python program, a notebook, fairseq's own test helpers, a sweep) the
+sweep. There an error ends the process with one ``fairseq_fsdp2: error: ...`` line and its
+status (2: bad input, 1: training stopped). Anywhere else (a Python program, a notebook, fairseq's own test helpers, a sweep) the
 error is raised, as an FSDP2Error the caller can catch, and the caller decides.
 """
 from __future__ import annotations

@@ -19,9 +19,8 @@ from typing import Optional, Sequence
 from fairseq import options
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-from ..errors import FSDP2Error, OptionError
-from ..options import FSDP2_BACKEND, LEGACY_FSDP_BACKEND
-from . import parse_errors, preflight
+from ..errors import FSDP2Error
+from . import parse_errors, preflight, setup
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -33,13 +32,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with warnings.catch_warnings():  # hydra's deprecation notes: the ranks print them anyway
         warnings.simplefilter("ignore")
         cfg = convert_namespace_to_omegaconf(args)
-    dt = cfg.distributed_training
     try:
-        if cfg.common.tpu and not cfg.common.bf16:
-            raise OptionError("--tpu cannot be combined with --ddp-backend fsdp2")
-        if dt.ddp_backend == LEGACY_FSDP_BACKEND:
-            dt.ddp_backend = FSDP2_BACKEND
-        dt.distributed_world_size = world_size
+        setup.trains_with_fsdp2(cfg)  # the backend flags settled as the ranks settle them
+        cfg.distributed_training.distributed_world_size = world_size
         preflight.check_options(cfg)
         preflight.check_launch(cfg, launched_per_rank=True, on_cuda=False)
     except FSDP2Error as e:

@@ -4,10 +4,10 @@
 hand cannot form, a --save-dir that cannot be created, a --finetune-from-model that is not there
 (or a directory without Hugging Face weights). ``check_options``: the plugin's options and
 fairseq's flags (``check_fairseq_flags``: fairseq flags FSDP2 runs do not serve, an
---ema-seed-model without an EMA, and fairseq numbers out of their range). ``weights_will_be_loaded``: whether the
-model can be built on the meta device. ``data_error`` turns fairseq's own errors
-for a data directory without the files asked for (raised while the task loads, on every rank
-alike) into one line.
+--ema-seed-model without an EMA, and fairseq numbers out of their range).
+``weights_will_be_loaded``: whether the model can be built on the meta device. ``data_error``
+turns fairseq's own errors for a data directory without the files asked for (raised while the
+task loads, on every rank alike) into one line.
 """
 from __future__ import annotations
 

@@ -21,7 +21,6 @@ count of runs this process has opened.
 """
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 import signal
@@ -96,7 +95,6 @@ class RunContext:
                 if hasattr(fairseq_group_cache, FAIRSEQ_GROUP_CACHE):
                     delattr(fairseq_group_cache, FAIRSEQ_GROUP_CACHE)
                 dist.destroy_process_group()
-                gc.collect()
             if self._sigterm_set:
                 signal.signal(signal.SIGTERM, self._sigterm)
         finally:

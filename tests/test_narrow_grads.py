@@ -15,10 +15,12 @@ the fp16 gradients overflow, inf in 16 bits is inf widened).
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from conftest import train_args_for
+from conftest import REPO, train_args_for
 from launcher import ok, run_command, run_ranks
 from numerics import per_update
 
@@ -62,3 +64,19 @@ def test_16_bit_gradient_shards_train_bit_identical_to_fp32_shards(case, corpus,
     if case == "fp16_overflow":  # the overflow path was exercised, alike
         note = "gradient overflow detected"
         assert narrow.count(note) >= 3 and narrow.count(note) == wide.count(note)
+
+
+def test_fsdp2_keeps_the_reduce_dtype_gradient_shards():
+    """FSDP2's private state that sharding/narrow_grads.py sets (FSDPParamGroup._orig_dtype,
+    torch 2.13) still does what it did: two small models sharded alike on 2 ranks, bf16
+    reduce-scatter, over two forward/backward passes (FSDP2's lazy initialization in
+    between): the kept gradients are bf16 DTensors laid out like their parameters, equal to
+    FSDP2's default fp32 shards, which are fp32. A torch that renames or ignores it fails
+    here (AttributeError in the probe, or fp32 gradients), not silently."""
+    out = ok(run_ranks(2, lambda r: [], module="narrow_grads_probe",
+                       env={"PYTHONPATH": str(REPO / "tests" / "probes")}))
+    r = json.loads(next(line for line in out.splitlines() if line.startswith("PROBE "))[6:])
+    assert r["groups"] == 2  # the two layers' units (the root holds no parameter)
+    assert r["dtypes"] == ["torch.bfloat16"] * 8, r["dtypes"]
+    assert r["wide_dtypes"] == ["torch.float32"] * 8, r["wide_dtypes"]
+    assert all(r["dtensor"]) and all(r["equal"]), r

@@ -27,7 +27,7 @@ from numerics import per_update
 FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1"]
 WIDE = ["--fsdp2-fp32-grad-shards"]
 KEPT = "gradient shards kept in the reduce dtype"
-UPDATES = 8
+UPDATES = 5
 #: bf16 compute and reduction with 8-bit moments (the 600M benchmark's flags), and fp16 with
 #: float32 moments under fairseq's loss scaling, starting at a scale that overflows
 CASES = {"bf16_8bit": ["--bf16", "--fsdp2-reduce-dtype", "bf16", "--eight-bit-adam-stats"],

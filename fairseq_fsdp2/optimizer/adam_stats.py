@@ -18,9 +18,9 @@ everywhere).
 
 bf16: bf16 has float32's exponent range, so no scale; its 8-bit significand is rounded
 stochastically (stochastic_round.py says why: rounded to nearest, the second moment could never
-decrease). The random numbers are drawn from a generator seeded by the run's ``--seed``, the
-step, the bucket's place and the shard's, so a resumed run draws what the uninterrupted run
-drew.
+decrease). The random numbers are drawn from a generator per parameter and moment, seeded by
+the run's ``--seed``, the step, the parameter's place, the moment and the shard's place, so a
+resumed run draws what the uninterrupted run drew.
 
 8 bits: each parameter of at least blockwise_8bit.MIN_NUMEL elements and two dimensions
 keeps its moments as uint8 codes shaped like it (1 byte per element) and float32 block maxima
@@ -28,10 +28,15 @@ keeps its moments as uint8 codes shaped like it (1 byte per element) and float32
 the parameter's rows, so DCP reshards them; smaller ones keep float32 moments. The codes are
 rounded stochastically, from the generator bf16 uses.
 
-How: the step runs a bucket of parameters at a time (FusedAdamV1 runs one): their moments are
+How: bf16 and 8-bit moments (and float32 ones with 16-bit gradient shards, or a state saved in
+another format) are stepped a chunk of rows at a time (row_chunk_step.py): a chunk's moments
 widened to float32, fairseq's Adam steps them (on the local shards: local_shard_step.py), and
-the moments are narrowed again; a bucket holds no more elements than the largest parameter
-(BUCKET_MIN at least), whose 16-bit moments are released while it steps. Loading a checkpoint
+they are narrowed again into the rows they came from. fp16 moments need the whole tensor's
+maximum after the step for their scale, so their step runs a bucket of parameters at a time
+(FusedAdamV1 runs one), their moments widened whole; a bucket holds no more elements than the
+largest parameter (BUCKET_MIN at least), whose 16-bit moments are released while it steps; so
+does the DTensor-dispatch reference (``local_shards=False``), drawing from the same streams as
+the chunked step. Loading a checkpoint
 keeps 16-bit moments 16-bit (torch's ``load_state_dict`` would cast every floating state tensor
 to the parameter's float32), and a state saved in the other format (a run resumed with or without
 the flag) is widened at its next step and then stored as this run asks.

@@ -80,3 +80,11 @@ def test_fsdp2_keeps_the_reduce_dtype_gradient_shards():
     assert r["dtypes"] == ["torch.bfloat16"] * 8, r["dtypes"]
     assert r["wide_dtypes"] == ["torch.float32"] * 8, r["wide_dtypes"]
     assert all(r["dtensor"]) and all(r["equal"]), r
+
+
+def test_gradients_accumulated_over_micro_batches_stay_fp32(corpus, tmp_path):
+    """--update-freq 2: FSDP2 adds each micro-batch's reduced gradient to the shard, which in
+    16 bits would round every sum; the trainer keeps FSDP2's fp32 shards then (and trains)."""
+    out = ok(run_ranks(2, lambda r: train_args_for(
+        corpus, tmp_path, *FSDP2, *CASES["bf16_8bit"], "--update-freq", "2", updates=2)))
+    assert KEPT not in out and sorted(per_update(out)) == [1, 2]

@@ -123,6 +123,15 @@ class FSDP2DistributedTrainingConfig(DistributedTrainingConfig):
                           "yyy_Cyrl=rus_Cyrl). Every other new row starts as the mean of the "
                           "pretrained rows; the pretrained rows are kept as they are"},
     )
+    fsdp2_fp32_grad_shards: bool = field(
+        default=False,
+        metadata={"help": "FSDP2, --fsdp2-reduce-dtype fp16/bf16: cast each reduce-scattered "
+                          "gradient shard to fp32 (FSDP2's default) instead of keeping it in the "
+                          "reduce dtype for the optimizer (the default where the step takes "
+                          "16-bit gradients: Adam with float32, bf16 or 8-bit moments, "
+                          "--update-freq 1, no --cpu-offload; the same update bit for bit, 2 "
+                          "bytes per parameter element more)"},
+    )
 
 
 #: the plugin's own keys of the distributed_training group (stock fairseq has none of them)

@@ -180,7 +180,9 @@ def test_16_bit_adam_moments_halve_the_optimizer_state():
 def test_16_bit_reduce_dtype_halves_the_reduce_scatter_input(capsys):
     """--fsdp2-reduce-dtype fp16 (with --fp16) or bf16 (with --bf16): FSDP2's reduce-scatter
     input holds 2 bytes per element instead of 4, and so does its output, which FSDP2 then
-    casts to the fp32 sharded gradient (_to_dtype_if_needed: both alive at the cast). NLLB-3.3B
+    casts to the fp32 sharded gradient (_to_dtype_if_needed: both alive at the cast; FSDP2's
+    default, --fsdp2-fp32-grad-shards; the trainer's own default keeps the 16-bit output:
+    test_16_bit_gradient_shards_and_the_row_chunked_step below). NLLB-3.3B
     with docs/memory.md's 2-GPU settings: the peak stays at the shared embedding's
     reduce-scatter, where the input halves (1.96 -> 0.98 GiB) and the output's 16-bit copy
     (this rank's half of the embedding, 0.49 GiB) comes on top: 0.49 GiB less, not the 0.98 of
@@ -193,7 +195,7 @@ def test_16_bit_reduce_dtype_halves_the_reduce_scatter_input(capsys):
     shared = next(u for u in profile.units if set(profile.output_paths) & set(u.module_paths))
     local, padded, _ = unit_sizes(shared, 2, 0)
     for precision in ("fp16", "bf16"):
-        flags = [f"--{precision}", f"--{precision}-adam-stats"]
+        flags = [f"--{precision}", f"--{precision}-adam-stats", "--fsdp2-fp32-grad-shards"]
         default, reduced = (
             estimate(profile, from_args.setup_for(from_args.parse(
                 base + flags + ["--fsdp2-reduce-dtype", reduce]), 2))
@@ -221,10 +223,12 @@ def test_8_bit_adam_moments_take_a_byte_per_element_and_a_float32_per_block():
     """--eight-bit-adam-stats on NLLB's tiny architecture (vocabulary 256206): the weights'
     moments a byte per element and 4 bytes per block of 256 in a row, the biases' and norms'
     float32 (rows of 2 ranks' shards: their sum over the ranks is the whole); at the optimizer
-    step, a bucket's moments in float32 less the released codes and Adam's denominator (10
-    bytes per element of the largest shard) and a chunk's quantization temporaries. Another
+    step, one chunk of rows (STEP_CHUNK elements, less than the embedding's shard) stepped at a
+    time: its moments in float32 (8 bytes per element), and Adam's denominator or the
+    quantization's temporaries, the larger (row_chunk_step.py). Another
     backend refuses the flag (training): the estimate counts fp32 there."""
     from fairseq_fsdp2.optimizer.blockwise_8bit import CHUNK, TEMPORARY_BYTES, quantizable
+    from fairseq_fsdp2.optimizer.row_chunk_step import STEP_CHUNK
     base = nllb_args("transformer_nllb_tiny")
     args = from_args.parse(base + ["--eight-bit-adam-stats"])
     setups = [from_args.setup_for(args, 2), from_args.setup_for(from_args.parse(base), 2)]
@@ -242,9 +246,51 @@ def test_8_bit_adam_moments_take_a_byte_per_element_and_a_float32_per_block():
     led = simulate_fsdp2(profile, setups[0])
     largest = max(unit_sizes(u, 2, 0)[2] for u in profile.units)
     assert largest > BUCKET_MIN  # the embedding's shard sets it here
-    assert led.max["optim"] == per_rank[0]["optim"] + 10 * largest + TEMPORARY_BYTES * CHUNK
+    assert led.max["optim"] == per_rank[0]["optim"] + 8 * STEP_CHUNK + max(
+        4 * STEP_CHUNK, TEMPORARY_BYTES * CHUNK)
     ddp = from_args.parse(base + ["--eight-bit-adam-stats", "--ddp-backend", "legacy_ddp"])
     assert from_args.setup_for(ddp, 1).adam_stats == "fp32"
+
+
+def test_16_bit_gradient_shards_and_the_row_chunked_step():
+    """--fsdp2-reduce-dtype fp16 with Adam (float32 or 8-bit moments): the trainer keeps the
+    reduce-scatter's 16-bit output as the sharded gradient (sharding/narrow_grads.py), 2 bytes
+    per element where FSDP2's cast made 4 (--fsdp2-fp32-grad-shards), and Adam steps a chunk of
+    rows at a time, its 16-bit gradient widened a chunk at a time (row_chunk_step.py).
+    NLLB-3.3B with the recipe's settings on 2 GPUs: at the tied embedding's reduce-scatter
+    (the peak either way) the other units' shards are half as large and the embedding's own
+    16-bit shard is not cast; the step's temporaries are one chunk's, not the embedding
+    shard's. Not with fp16 moments (their scale needs the whole tensor), --update-freq 2
+    (gradients added over micro-batches would round in 16 bits), --cpu-offload."""
+    from fairseq_fsdp2.optimizer.blockwise_8bit import CHUNK, TEMPORARY_BYTES
+    from fairseq_fsdp2.optimizer.row_chunk_step import STEP_CHUNK
+    base = nllb_args("transformer_nllb_3_3b", "--criterion", "label_smoothed_cross_entropy_chunked",
+                     "--loss-chunk-tokens", "256", "--fsdp2-root-reshard", "always",
+                     "--checkpoint-activations", "--fp16", "--fsdp2-reduce-dtype", "fp16")
+    profile = from_args.profile_for(from_args.parse(base))
+    shared = next(u for u in profile.units if set(profile.output_paths) & set(u.module_paths))
+    local = unit_sizes(shared, 2, 0)[0]
+    for stats in ([], ["--eight-bit-adam-stats"]):
+        kept_args, wide_args = (from_args.parse(base + stats + extra)
+                                for extra in ([], ["--fsdp2-fp32-grad-shards"]))
+        kept_setup, wide_setup = (from_args.setup_for(a, 2) for a in (kept_args, wide_args))
+        assert kept_setup.narrow_grads and not wide_setup.narrow_grads
+        kept, wide = (estimate(profile, s).classes[0] for s in (kept_setup, wide_setup))
+        assert kept.moment == wide.moment == f"backward: reduce-scatter {shared.name}"
+        # the other units' shards 2 bytes per element less; the embedding's 16-bit output
+        # without its fp32 cast (4 bytes)
+        elements = kept.breakdown["sharded"] // 4
+        assert wide.breakdown["grads"] - kept.breakdown["grads"] == \
+            2 * (elements - local) + 4 * local
+        assert wide.peak - kept.peak == 2 * (elements - local) + 4 * local
+        led = simulate_fsdp2(profile, kept_setup)
+        state = kept.breakdown["optim"]
+        widened = 4 + (8 if stats else 0)  # the chunk's gradient, and 8-bit moments, widened
+        last = max(4 * STEP_CHUNK, TEMPORARY_BYTES * CHUNK if stats else 0)
+        assert led.max["optim"] == state + widened * STEP_CHUNK + last
+        assert led.max["optim"] - state < 0.2 * GIB  # the embedding's shard: 262M elements
+    for flags in (["--fp16-adam-stats"], ["--update-freq", "2"], ["--cpu-offload"]):
+        assert not from_args.setup_for(from_args.parse(base + flags), 2).narrow_grads, flags
 
 
 def test_store_ema_adds_its_copy_of_the_weights():

@@ -18,6 +18,7 @@ from conftest import REPO
 from fairseq_fsdp2 import estimate as cli
 from fairseq_fsdp2.estimator.doc_tables import (CKPT, NLLB_GPU, RECIPE, REDUCE16, STATS8, STATS16,
                                                 TABLES, documented, names_in, render, replaced)
+from fairseq_fsdp2.estimator.ledger import Setup, step_temporary_bytes
 from fairseq_fsdp2.models.nllb import NLLB_SIZES
 
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -41,7 +42,7 @@ def test_no_predicted_table_in_the_docs_is_left_out_of_the_generator():
 
 def test_a_changed_figure_or_command_is_caught():
     """The comparison above sees one figure or one recorded command changed."""
-    table = next(t for t in TABLES if t.fit_gb is None)  # a table of peaks
+    table = next(t for t in TABLES if not t.fit_gb)  # a table of peaks
     fresh = replaced(f"x\n<!-- predicted: {table.name} -->\n<!-- predicted: end -->\ny\n", table)
     block = documented(fresh, table.name)
     assert block == render(table) and fresh.startswith("x\n") and fresh.endswith("\ny\n")
@@ -106,9 +107,14 @@ def prose_claims() -> list[str]:
     b, b8, bb = stats16.breakdown, stats8.breakdown, both.breakdown
     embedding = 256206 * NLLB_SIZES["transformer_nllb_3_3b"]["dim"]  # elements, tied
     fp16_grad, fp32_shard = gib(embedding * 2), gib(embedding * 4 / 2)
+    fp16_shard = fp32_shard / 2
     assert at_12288.peak == stats16.peak and "reduce-scatter shared" in stats16.moment
     assert "decoder.layers" in at_13312.moment and "reduce-scatter shared" in stats8.moment
-    assert both.moment == "optimizer step"
+    assert "reduce-scatter shared" in both.moment
+    # the optimizer step's temporaries: one chunk's (the 16-bit gradients kept, 8-bit moments)
+    temporaries = step_temporary_bytes(Setup(optimizer="adam", adam_stats="8bit",
+                                             narrow_grads=True), embedding // 2, 10 ** 10)
+    held = gib(bb["sharded"]) * 1.5 + gib(bb["optim"])  # fp32 weights, fp16 grads, state
     return [
         f"on 2 GPUs is {stats16.peak_gb:.2f} GiB",
         f"at 13,312 a decoder layer's recomputation sets it: {at_13312.peak_gb:.2f}",
@@ -124,10 +130,18 @@ def prose_claims() -> list[str]:
         f"{stats8.peak_gb:.2f} GiB at the same place (state {gib(b8['optim']):.2f} GiB instead "
         f"of {gib(b['optim']):.2f})",
         f"the prediction is {both.peak_gb:.2f} GiB at 4,096 tokens per GPU",
-        f"fp32 parameter and gradient shards {gib(bb['sharded']):.2f} GiB each, the 8-bit state "
-        f"{gib(b8['optim']):.2f}",
-        f"262M elements: {gib(bb['optim'] - b8['optim']):.2f} GiB with Adam's denominator",
+        f"fp32 parameter shards {gib(bb['sharded']):.2f} GiB, gradients {gib(bb['grads']):.2f} "
+        f"(the other units' fp16 shards {gib(bb['grads']) - fp16_grad - fp16_shard:.2f}, the "
+        f"embedding's fp16 gradient {fp16_grad:.2f} and its fp16 shard {fp16_shard:.2f}), the "
+        f"8-bit state {gib(bb['optim']):.2f}, the reduce-scatter's fp16 input "
+        f"{gib(bb['comm']):.2f}",
+        f"holds the fp32 parameter shards {gib(bb['sharded']):.2f} GiB, the fp16 gradient shards "
+        f"{gib(bb['sharded']) / 2:.2f}, the 8-bit state {gib(bb['optim']):.2f} and one chunk's "
+        f"temporaries {gib(temporaries):.2f}",
         f"that is {both.peak_gb + 1:.1f}-{both.peak_gb + 2:.1f} GiB",
+        f"every rank holds {held:.2f} GiB of shards and state",
+        f"in fp16 unsharded ({fp16_grad:.2f} GiB), as FSDP2's copy of it into the reduce-scatter's "
+        f"input ({gib(bb['comm']):.2f})",
         f"state {gib(b8['optim']):.2f} GiB per GPU, {gib(b['optim'] - b8['optim']):.2f} less "
         "than 16-bit moments",
         f"| {gib(b['sharded']):.2f} ({gib(b['sharded']) / 2:.2f} parameters, "

@@ -39,6 +39,9 @@ REDUCE16 = ("--fsdp2-reduce-dtype", "fp16")
 #: what a 24 GB GPU leaves for tensors: 22.4 GiB less a 2 GiB margin (CUDA context, NCCL,
 #: fragmentation)
 GPU_24GB_BUDGET = 20.4
+#: ... and a 16 GB GPU (two T4s, V100-16GB, 4060 Ti): 14.9 GiB less about 1.4 (CUDA context,
+#: NCCL)
+GPU_16GB_BUDGET = 13.5
 
 
 @dataclass(frozen=True)
@@ -57,12 +60,12 @@ class Table:
     label_header: tuple[str, ...]
     world_sizes: tuple[int, ...]
     rows: tuple[Row, ...]
-    #: a table of the largest --max-tokens that fits this many GiB per GPU (estimator --fit-gb)
-    #: instead of peaks
-    fit_gb: float | None = None
+    #: a table of the largest --max-tokens that fits each of these many GiB per GPU (estimator
+    #: --fit-gb: a column per budget and world size) instead of peaks
+    fit_gb: tuple[float, ...] = ()
 
-    def command(self, row: Row) -> list[str]:
-        fit = [] if self.fit_gb is None else ["--fit-gb", f"{self.fit_gb:g}"]
+    def command(self, row: Row, budget: float | None = None) -> list[str]:
+        fit = [] if budget is None else ["--fit-gb", f"{budget:g}"]
         return [*row.argv, "--world-size", *map(str, self.world_sizes), *fit]
 
 
@@ -109,7 +112,7 @@ TABLES = (
     Table("fit on 24 GB", "docs/memory.md", ("NLLB-3.3B, settings",), (2,), (
         Row(("the recipe's, `--checkpoint-activations --eight-bit-adam-stats "
              "--fsdp2-reduce-dtype fp16`",), _nllb("3_3b", *RECIPE, *CKPT, *STATS8, *REDUCE16)),
-    ), fit_gb=GPU_24GB_BUDGET),
+    ), fit_gb=(GPU_24GB_BUDGET, GPU_16GB_BUDGET)),
 )
 
 
@@ -120,9 +123,10 @@ def predicted_gib(table: Table, row: Row) -> tuple[float, ...]:
 
 
 @functools.cache
-def fitted(table: Table, row: Row) -> tuple[str, ...]:
-    """Each world size's largest --max-tokens that fits table.fit_gb, with its predicted peak."""
-    fits = largest_max_tokens(parse(table.command(row)), table.fit_gb, table.world_sizes)
+def fitted(table: Table, row: Row, budget: float) -> tuple[str, ...]:
+    """Each world size's largest --max-tokens that fits ``budget`` GiB, with its predicted
+    peak."""
+    fits = largest_max_tokens(parse(table.command(row, budget)), budget, table.world_sizes)
     return tuple("none" if fit.max_tokens is None else
                  f"{fit.max_tokens}{'+' if fit.capped else ''} ({fit.peak_gb:.2f} GiB)"
                  for fit in fits)
@@ -130,20 +134,22 @@ def fitted(table: Table, row: Row) -> tuple[str, ...]:
 
 def render(table: Table) -> str:
     """The block between the markers: the table, then the command of each row."""
-    if table.fit_gb is None:
+    if not table.fit_gb:
         header = [*table.label_header, *(f"{w} GPUs" for w in table.world_sizes)]
     else:
-        header = [*table.label_header, *(f"largest --max-tokens fitting {table.fit_gb:g} GiB, "
-                                         f"{w} GPUs" for w in table.world_sizes)]
+        header = [*table.label_header, *(f"largest --max-tokens fitting {gb:g} GiB, {w} GPUs"
+                                         for gb in table.fit_gb for w in table.world_sizes)]
     lines = ["| " + " | ".join(header) + " |",
-             "|" + "---|" * len(table.label_header) + "---:|" * len(table.world_sizes)]
+             "|" + "---|" * len(table.label_header) + "---:|" * (len(header) -
+                                                                 len(table.label_header))]
     commands = []
     for row in table.rows:
-        values = ([f"{v:.2f}" for v in predicted_gib(table, row)] if table.fit_gb is None
-                  else list(fitted(table, row)))
+        values = ([f"{v:.2f}" for v in predicted_gib(table, row)] if not table.fit_gb
+                  else [cell for gb in table.fit_gb for cell in fitted(table, row, gb)])
         lines.append("| " + " | ".join([*row.labels, *values]) + " |")
-        commands.append(f"# {', '.join(label.replace('`', '') for label in row.labels)}\n"
-                        f"{ESTIMATE} {shlex.join(table.command(row))}")
+        name = ', '.join(label.replace('`', '') for label in row.labels)
+        for budget in table.fit_gb or (None,):
+            commands.append(f"# {name}\n{ESTIMATE} {shlex.join(table.command(row, budget))}")
     return "\n".join([
         f"<!-- predicted: {table.name} -->", *lines, "",
         "<details><summary>The estimator command of each row</summary>", "", "```bash",

@@ -110,6 +110,17 @@ def reduce_dtype_of(args) -> str:
     return reduce
 
 
+def narrow_grads_of(args) -> bool:
+    """Whether the trainer keeps the gradient shards in the 16-bit reduce dtype (trainer/
+    fsdp2_trainer.py, _keeps_16_bit_grads: fairseq's Adam without fp16 moments, --update-freq
+    1, no --cpu-offload, no --fsdp2-fp32-grad-shards)."""
+    return reduce_dtype_of(args) != "fp32" and (getattr(args, "optimizer", "adam") or "adam") \
+        == "adam" and adam_stats_of(args) != "fp16" and not getattr(args, "amsgrad", False) \
+        and list(getattr(args, "update_freq", None) or [1]) == [1] and \
+        not getattr(args, "cpu_offload", False) and \
+        not getattr(args, "fsdp2_fp32_grad_shards", False)
+
+
 def setup_for(args, world_size: int) -> Setup:
     replicate = args.replicate_degree or getattr(args, "fsdp2_replicate_degree", 1) or 1
     device = args.device or ("cpu" if getattr(args, "cpu", False) else "cuda")
@@ -130,7 +141,8 @@ def setup_for(args, world_size: int) -> Setup:
         checkpoint_activations=bool(getattr(args, "checkpoint_activations", False)),
         memory_efficient_fp16=bool(getattr(args, "memory_efficient_fp16", False)),
         tied_grad_buffer=tied_grad_buffer_on(args), adam_stats=adam_stats_of(args),
-        ema_bytes=ema_bytes_of(args), reduce_dtype=reduce_dtype_of(args))
+        ema_bytes=ema_bytes_of(args), reduce_dtype=reduce_dtype_of(args),
+        narrow_grads=narrow_grads_of(args))
 
 
 def build_task(args):

@@ -20,7 +20,9 @@ class _FSDP2Step:
     at once. The backward of a unit prefetches the unit before it in forward order. A unit's
     gradients are copied into a reduce-scatter input buffer in the reduce dtype (fp32, or the
     compute dtype with --fsdp2-reduce-dtype fp16/bf16), kept until the next reduce-scatter or
-    the end of backward. With one rank, "all-gather" is a copy.
+    the end of backward. The reduce-scatter's output (this rank's shard) is the sharded
+    gradient, cast to fp32 unless it stays in the 16-bit reduce dtype (sharding/
+    narrow_grads.py). With one rank, "all-gather" is a copy.
     """
 
     def __init__(self, profile: ModelProfile, setup: Setup, rank: int):
@@ -118,19 +120,19 @@ class _FSDP2Step:
         # NLLB-600M: gradient, input and output of the shared unit alive at once); a layer's
         # gradients are freed after the copy-in, before the output is allocated. A 16-bit
         # output is then cast to the fp32 sharded gradient, both alive at the cast.
-        output = self.local[name] * (self.rb + (4 if self.rb != 4 else 0)) \
-            if self.on_device else 0
+        cast = 4 if self.rb != 4 and not self.s.narrow_grads else 0
+        output = self.local[name] * (self.rb + cast) if self.on_device else 0
         led.moment(f"backward: reduce-scatter {name}", comm=rs_input,
                    grads=output if in_ledger else grad_bytes)
-        if not in_ledger and self.rb != 4 and output > grad_bytes:
+        if not in_ledger and cast and output > grad_bytes:
             led.moment(f"backward: reduce-scatter {name} (output cast to fp32)",
                        comm=rs_input, grads=output)
         if in_ledger:
             led.sub("grads", grad_bytes)  # unsharded gradients dropped after the copy-in
         led.add("comm", rs_input)
         self.retained_rs = rs_input
-        if self.on_device:
-            led.add("grads", self.local[name] * 4)
+        if self.on_device:  # the sharded gradient: fp32, or the 16-bit output kept
+            led.add("grads", self.local[name] * (self.rb if self.s.narrow_grads else 4))
         self.reduced.add(name)
         self.reshard(name)
 

@@ -9,6 +9,7 @@ from typing import Optional
 
 from ..optimizer.adam_stats import BUCKET_MIN
 from ..optimizer.blockwise_8bit import CHUNK, TEMPORARY_BYTES, absmax_shape, quantizable
+from ..optimizer.row_chunk_step import STEP_CHUNK
 from .model_profile import UnitSpec
 
 
@@ -54,6 +55,9 @@ class Setup:
     # 8bit (--eight-bit-adam-stats)
     ema_bytes: int = 0  # --store-ema: bytes of the EMA per parameter element (0: no EMA)
     reduce_dtype: str = "fp32"  # --fsdp2-reduce-dtype: fp32, or the 16-bit compute dtype
+    # the sharded gradients stay in the 16-bit reduce dtype for the optimizer (sharding/
+    # narrow_grads.py; the trainer's _keeps_16_bit_grads): narrow_grads_of in from_args.py
+    narrow_grads: bool = False
 
 
 class Ledger:
@@ -144,17 +148,32 @@ def optimizer_state_bytes(setup: Setup, elements: int, shapes=(), shards: int = 
     return optimizer_states(setup) * state_bytes(setup) * elements
 
 
+def row_chunked(setup: Setup) -> bool:
+    """Whether fairseq's Adam steps a chunk of rows at a time (optimizer/row_chunk_step.py):
+    with bf16 or 8-bit moments, and with float32 ones when the gradients are 16-bit."""
+    return setup.optimizer == "adam" and (setup.adam_stats in ("bf16", "8bit") or (
+        setup.adam_stats == "fp32" and setup.narrow_grads))
+
+
 def step_temporary_bytes(setup: Setup, largest: int, total: int, buckets: bool = True) -> int:
     """Bytes alive during the optimizer step on top of the state; ``largest``: the elements of
-    the largest (shard of a) parameter, ``total``: of all of them. One float32 temporary of the
-    largest (Adam's denominator); with 16-bit moments, a bucket's moments widened to float32 as
-    well (optimizer/adam_stats.py: at most max(largest, BUCKET_MIN) elements and no more than
-    there are, small parameters' 16-bit moments kept, a large one's released): 8 bytes per
-    element; with 8-bit moments, 10 (their codes are a byte) and the quantization's temporaries.
-    ``buckets=False``: stock fairseq's FusedAdamV1, one parameter at a time."""
-    if eight_bit(setup):  # as for 16 bits, less the released 8-bit codes: 2 x (4 - 1) + 4
-        # bytes per element of the bucket; and quantizing a chunk (blockwise_8bit.py)
-        return 10 * min(max(largest, BUCKET_MIN), total) + TEMPORARY_BYTES * min(CHUNK, total)
+    the largest (shard of a) parameter, ``total``: of all of them.
+
+    Stepped a chunk of rows at a time (row_chunked; at most STEP_CHUNK elements a call): the
+    chunk's moments widened to float32 (8 bytes per element; none for float32 moments, stepped
+    where they are), its 16-bit gradient widened (4) and Adam's float32 denominator (4), or,
+    once Adam is done, in its place the narrowing's temporaries: bf16's random integers (4), or
+    8 bits' quantization of a chunk (blockwise_8bit.py). Otherwise: one float32 temporary of
+    the largest parameter (Adam's denominator); with fp16 moments (fairseq's scale is the whole
+    tensor's maximum), a bucket's moments widened to float32 as well (optimizer/adam_stats.py:
+    at most max(largest, BUCKET_MIN) elements and no more than there are, small parameters'
+    16-bit moments kept, a large one's released): 8 bytes per element. ``buckets=False``:
+    stock fairseq's FusedAdamV1, one parameter at a time."""
+    if buckets and row_chunked(setup):
+        n = min(STEP_CHUNK, total)
+        widened = (8 if setup.adam_stats != "fp32" else 0) + (4 if setup.narrow_grads else 0)
+        last = TEMPORARY_BYTES * min(CHUNK, n) if eight_bit(setup) else 4 * n
+        return widened * n + max(4 * n, last)
     if state_bytes(setup) == 4:
         return 4 * largest
     return 8 * (min(max(largest, BUCKET_MIN), total) if buckets else largest)

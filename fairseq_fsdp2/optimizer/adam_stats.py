@@ -18,9 +18,9 @@ everywhere).
 
 bf16: bf16 has float32's exponent range, so no scale; its 8-bit significand is rounded
 stochastically (stochastic_round.py says why: rounded to nearest, the second moment could never
-decrease). The random numbers are drawn from a generator seeded by the run's ``--seed``, the
-step, the bucket's place and the shard's, so a resumed run draws what the uninterrupted run
-drew.
+decrease). The random numbers are drawn from a generator per parameter and moment, seeded by
+the run's ``--seed``, the step, the parameter's place, the moment and the shard's place, so a
+resumed run draws what the uninterrupted run drew.
 
 8 bits: each parameter of at least blockwise_8bit.MIN_NUMEL elements and two dimensions
 keeps its moments as uint8 codes shaped like it (1 byte per element) and float32 block maxima
@@ -28,10 +28,15 @@ keeps its moments as uint8 codes shaped like it (1 byte per element) and float32
 the parameter's rows, so DCP reshards them; smaller ones keep float32 moments. The codes are
 rounded stochastically, from the generator bf16 uses.
 
-How: the step runs a bucket of parameters at a time (FusedAdamV1 runs one): their moments are
+How: bf16 and 8-bit moments (and float32 ones with 16-bit gradient shards, or a state saved in
+another format) are stepped a chunk of rows at a time (row_chunk_step.py): a chunk's moments
 widened to float32, fairseq's Adam steps them (on the local shards: local_shard_step.py), and
-the moments are narrowed again; a bucket holds no more elements than the largest parameter
-(BUCKET_MIN at least), whose 16-bit moments are released while it steps. Loading a checkpoint
+they are narrowed again into the rows they came from. fp16 moments need the whole tensor's
+maximum after the step for their scale, so their step runs a bucket of parameters at a time
+(FusedAdamV1 runs one), their moments widened whole; a bucket holds no more elements than the
+largest parameter (BUCKET_MIN at least), whose 16-bit moments are released while it steps; so
+does the DTensor-dispatch reference (``local_shards=False``), drawing from the same streams as
+the chunked step. Loading a checkpoint
 keeps 16-bit moments 16-bit (torch's ``load_state_dict`` would cast every floating state tensor
 to the parameter's float32), and a state saved in the other format (a run resumed with or without
 the flag) is widened at its next step and then stored as this run asks.
@@ -46,22 +51,18 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..sharding.mesh import comm_device, local_part
-from .blockwise_8bit import dequantize, quantizable, quantize, rows_like
+from .blockwise_8bit import dequantize, quantize, rows_like
 from .local_shard_step import ELEMENTWISE, mix_into
+from .row_chunk_step import (ABSMAX_KEYS, MOMENTS, SCALE_KEYS, SIGNED, SIXTEEN_BIT,
+                             RowChunkSteps, like, shard_coordinate, shard_dims, stream_seed)
 from .stochastic_round import generator_for, to_bf16_stochastic
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
-SCALE_KEYS = {"exp_avg": "exp_avg_scale", "exp_avg_sq": "exp_avg_sq_scale"}
-#: 8 bits: the float32 block maxima of each moment's codes
-ABSMAX_KEYS = {"exp_avg": "exp_avg_absmax", "exp_avg_sq": "exp_avg_sq_absmax"}
-#: 8 bits: the first moment's map is signed, the second's unsigned
-SIGNED = {"exp_avg": True, "exp_avg_sq": False}
 #: fairseq's FusedAdamV1: scale = SCALE_FLOOR + max|moment| / FP16_MAX
 FP16_MAX = 65504.0
 SCALE_FLOOR = 1e-8
-SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 #: moments stored in fewer bits than float32's, which torch's load_state_dict would cast
 NARROW = (*SIXTEEN_BIT, torch.uint8)
+__all__ = ["ABSMAX_KEYS", "MOMENTS", "SCALE_KEYS", "SIGNED", "stream_seed"]
 
 
 class Held:
@@ -97,49 +98,16 @@ def _hold_16_bit(optimizer: torch.optim.Optimizer, state_dict: dict) -> Optional
     return state_dict
 
 
-def stream_seed(*parts: int) -> int:
-    """One 63-bit seed from several integers (the same on every platform and Python)."""
-    value = 0
-    for part in parts:
-        value = (value * 1_000_003 + int(part)) % (1 << 63)
-    return value
-
-
-def _like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``local`` as the DTensor ``like`` is (its mesh, placements, global shape)."""
-    if not isinstance(like, DTensor):
-        return local
-    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
-                              shape=like.shape, stride=like.stride())
-
-
-def _rows_sharded(p: torch.Tensor) -> bool:
-    """Whether ``p`` is a plain tensor or sharded on dim 0 only (FSDP2's default): then its
-    8-bit blocks, within rows, lie on one rank each."""
-    return not isinstance(p, DTensor) or all(
-        not pl.is_shard() or pl.dim == 0 for pl in p.placements)
-
-
 def _full(x: torch.Tensor) -> torch.Tensor:
     return x.full_tensor() if isinstance(x, DTensor) else x
 
 
-def _shard_dims(p: torch.Tensor) -> list[int]:
-    return [d for d, pl in enumerate(p.placements) if pl.is_shard()] \
-        if isinstance(p, DTensor) else []
-
-
-def _shard_coordinate(p: torch.Tensor) -> list[int]:
-    """Where ``p``'s shard sits on the mesh's sharded dimensions (not on HSDP's replicated
-    one: replicas draw alike and stay equal)."""
-    coordinate = p.device_mesh.get_coordinate() if isinstance(p, DTensor) else None
-    return [coordinate[d] for d in _shard_dims(p)] if coordinate else []
-
-
-#: A step widens the moments of a bucket of consecutive parameters at a time, of at most
-#: max(the largest parameter shard, BUCKET_MIN) elements: no more float32 moments at once than
-#: the largest parameter's alone (NLLB's embedding), one fp16 all-reduce per bucket, not per
-#: parameter, and few calls into the optimizer (each costs CPU time a GPU waits for).
+#: fp16 moments (and the DTensor-dispatch reference): a step widens the moments of a bucket of
+#: consecutive parameters at a time, of at most max(the largest parameter shard, BUCKET_MIN)
+#: elements (fp16's scale is the whole tensor's maximum after the step: a parameter's moments
+#: are widened whole), one fp16 all-reduce per bucket, not per parameter, and few calls into
+#: the optimizer (each costs CPU time a GPU waits for). bf16, 8-bit and float32 moments step
+#: a chunk of rows at a time instead (row_chunk_step.py).
 BUCKET_MIN = 1 << 22
 #: Parameter shards of at most KEEP_MAX elements keep their 16-bit tensors through the step and
 #: are written back in place: no new DTensor per step (DTensor.from_local costs more CPU than
@@ -147,7 +115,7 @@ BUCKET_MIN = 1 << 22
 KEEP_MAX = 1 << 20
 
 
-class SixteenBitMoments:
+class SixteenBitMoments(RowChunkSteps):
     """Mixin for fairseq's Adam (a torch optimizer): its moments stored as ``moment_dtype``
     between steps (float32: as fairseq keeps them; a 16-bit state loaded from a checkpoint is
     widened at its next step)."""
@@ -163,13 +131,27 @@ class SixteenBitMoments:
     _hold_hook = None  # the pre-hook of the load_state_dict call in progress
     _numels = None  # parameter -> elements of its local shard
 
+    def takes_16_bit_grads(self) -> bool:
+        """Whether the step can take 16-bit gradient shards and the factors multiply_grads
+        left pending for them (the row-chunked step: local shards, not fp16 moments, which
+        need their whole tensor's scale, nor amsgrad's third state)."""
+        return self.local_shards and self.moment_dtype != torch.float16 and \
+            not any(group.get("amsgrad", False) for group in self.param_groups)
+
     def step(self, closure=None):
-        if self.moment_dtype == torch.float32 and not self.mixed_state_loaded:
+        narrow_grads = any(p.grad is not None and p.grad.dtype in SIXTEEN_BIT
+                           for group in self.param_groups for p in group["params"])
+        if self.moment_dtype == torch.float32 and not self.mixed_state_loaded and \
+                not narrow_grads:
             return super().step(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.takes_16_bit_grads():
+            self.step_in_row_chunks()
+            self.mixed_state_loaded = False
+            return loss
         groups = [group["params"] for group in self.param_groups]
         try:
             for group in self.param_groups:
@@ -233,7 +215,7 @@ class SixteenBitMoments:
                 if self.moment_dtype == torch.uint8 and self._numel(p) <= KEEP_MAX:
                     kept[id(p), key] = (value, local, absmax, local_part(absmax))
                 wide = dequantize(local, local_part(absmax), SIGNED[key])
-                state[key] = wide if self.local_shards else _like(wide, p)  # DTensor dispatch
+                state[key] = wide if self.local_shards else like(wide, p)  # DTensor dispatch
                 continue
             if not self.local_shards:  # fairseq: exp_avg.float() * state["exp_avg_scale"]
                 wide = value.float()
@@ -264,24 +246,19 @@ class SixteenBitMoments:
                         old[1].copy_(local_part(value).div_(scale))
                         state[key] = old[0]
                     else:
-                        state[key] = _like(local_part(value).div_(scale).half(), p)
+                        state[key] = like(local_part(value).div_(scale).half(), p)
                     state[SCALE_KEYS[key]] = scale
         elif self.moment_dtype == torch.bfloat16:
-            first_index, first = bucket[0]
-            generator = None
-            for _, p in bucket:
+            for index, p in bucket:
                 state = self.state[p]
-                for key in MOMENTS:
+                for k, key in enumerate(MOMENTS):
                     local, old = local_part(state[key]), kept.get((id(p), key))
-                    if generator is None:  # one stream a bucket: its first parameter's place
-                        generator = generator_for(local.device, stream_seed(
-                            self.stats_seed, self.state[first]["step"], first_index,
-                            *_shard_coordinate(first)))
+                    generator = self._generator(index, k, p, local.device)
                     if old is not None:
                         to_bf16_stochastic(local, generator, out=old[1])
                         state[key] = old[0]
                     else:
-                        state[key] = _like(to_bf16_stochastic(local, generator), p)
+                        state[key] = like(to_bf16_stochastic(local, generator), p)
         elif self.moment_dtype == torch.uint8:
             self._quantize(bucket, kept)
         else:  # float32 (a 16-bit state was loaded): the widened moments, as DTensors again
@@ -289,34 +266,35 @@ class SixteenBitMoments:
                 state = self.state[p]
                 for key in MOMENTS:
                     if not isinstance(state[key], DTensor):
-                        state[key] = _like(state[key], p)
+                        state[key] = like(state[key], p)
 
     def _quantize(self, bucket: list, kept: dict) -> None:
         """Store the bucket's float32 moments in 8 bits (blockwise_8bit.py), into the codes and
         block maxima kept through the step or new ones; parameters too small for 8 bits (or
         sharded on another dimension than rows) keep float32 moments."""
-        first_index, first = bucket[0]
-        generator = None
-        for _, p in bucket:
+        for index, p in bucket:
             state = self.state[p]
-            eight_bit = quantizable(p.shape) and _rows_sharded(p)
-            for key in MOMENTS:
+            eight_bit = self.moment_format(p) == torch.uint8
+            for k, key in enumerate(MOMENTS):
                 local = local_part(state[key])
                 if not eight_bit:
                     if not isinstance(state[key], DTensor):
-                        state[key] = _like(local, p)
+                        state[key] = like(local, p)
                     continue
-                if generator is None:  # one stream a bucket, as for bf16
-                    generator = generator_for(local.device, stream_seed(
-                        self.stats_seed, self.state[first]["step"], first_index,
-                        *_shard_coordinate(first)))
+                generator = self._generator(index, k, p, local.device)
                 old = kept.get((id(p), key))
                 if old is not None:
                     quantize(local, SIGNED[key], generator, codes=old[1], absmax=old[3])
                     state[key], state[ABSMAX_KEYS[key]] = old[0], old[2]
                 else:
                     codes, absmax = quantize(local, SIGNED[key], generator)
-                    state[key], state[ABSMAX_KEYS[key]] = _like(codes, p), rows_like(absmax, p)
+                    state[key], state[ABSMAX_KEYS[key]] = like(codes, p), rows_like(absmax, p)
+
+    def _generator(self, index: int, k: int, p: torch.Tensor, device) -> torch.Generator:
+        """The random stream of moment ``k`` of the parameter in place ``index``: the one the
+        row-chunked step draws from (row_chunk_step.py)."""
+        return generator_for(device, stream_seed(self.stats_seed, self.state[p]["step"], index,
+                                                 k, *shard_coordinate(p)))
 
     def _scales(self, bucket: list) -> list[torch.Tensor]:
         """fairseq's scale of each moment of the bucket: 1e-8 + max|moment| / 65504, the max
@@ -330,7 +308,7 @@ class SixteenBitMoments:
                                  m.new_zeros(()) for m in locals_])
             p = bucket[0][1]
             if isinstance(p, DTensor):
-                for dim in _shard_dims(p):  # the maximum over the shards (HSDP replicas agree)
+                for dim in shard_dims(p):  # the maximum over the shards (HSDP replicas agree)
                     group = p.device_mesh.get_group(dim)
                     peaks = peaks.to(comm_device(group))
                     dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
@@ -380,4 +358,5 @@ def use_16_bit_moments(torch_optimizer: torch.optim.Optimizer, stats: str = "fp3
     torch_optimizer.moment_dtype = MOMENT_DTYPES[stats]
     torch_optimizer.local_shards = local_shards
     torch_optimizer.stats_seed = seed
+    torch_optimizer.grad_factors = []
     return True

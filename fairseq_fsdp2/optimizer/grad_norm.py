@@ -11,7 +11,9 @@ FSDP2's gradients (one mesh, ``Shard`` or ``Replicate`` on each of its dimension
 shard's norm, their squares summed by one all-reduce over each sharded mesh dimension (HSDP's
 replicas counted once) on the device the group's backend moves (NCCL: CUDA) wherever the
 gradients live, then the norm of the per-tensor norms: what PyTorch's ``get_total_norm``
-computes over the DTensors, bit for bit. Through DTensor instead, every first call in a process
+computes over the DTensors, bit for bit (a local shard of more than STEP_CHUNK elements: the
+norm of its row chunks' norms, so that a 16-bit gradient shard is widened a chunk at a time,
+``local_norm``; float rounding only). Through DTensor instead, every first call in a process
 paid ~60 ms of sharding propagation (measured on a 2-rank tiny run; the suite starts ~200 such
 processes), and its reduction ran on the gradients' own device, the CPU under --cpu-offload,
 which NCCL cannot move. Anything else (plain tensors, mixed meshes, partial placements) takes
@@ -19,24 +21,28 @@ which NCCL cannot move. Anything else (plain tensors, mixed meshes, partial plac
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..sharding.mesh import comm_device
-from .local_shard_step import local_views, multiply_grads
+from .local_shard_step import multiply_grads
+from .row_chunk_step import SIXTEEN_BIT, STEP_CHUNK, rows_per_chunk, widened
 
 
-def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+def total_norm(grads: list[torch.Tensor], factors: Sequence = ()) -> torch.Tensor:
     """The 2-norm of all ``grads`` taken together (the unsharded model's gradient norm), as a
-    plain fp32 scalar tensor, the same on every rank."""
+    plain fp32 scalar tensor, the same on every rank; 16-bit gradients are taken widened, with
+    the ``factors`` multiply_grads left pending for them applied in order."""
     if not grads:
         return torch.tensor(0.0)
     sharded = _sharded_layout(grads)
     if sharded is not None:
-        return _norm_of_local_shards(grads, *sharded)
+        return _norm_of_local_shards(grads, *sharded, factors)
+    if any(g.dtype in SIXTEEN_BIT for g in grads):  # through DTensor dispatch: widened whole
+        grads = [widened(g, factors) for g in grads]
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False)
     if not isinstance(norm, DTensor):
         return norm.float()
@@ -65,8 +71,24 @@ def _sharded_layout(grads: list[torch.Tensor]):
     return mesh, [dim for dim, p in enumerate(placements) if p.is_shard()]
 
 
-def _norm_of_local_shards(grads: list[torch.Tensor], mesh, shard_dims: list[int]) -> torch.Tensor:
-    local = [torch.linalg.vector_norm(g.to_local(), 2.0).float() for g in grads]
+def local_norm(grad: torch.Tensor, factors: Sequence = (), chunk: int = STEP_CHUNK) -> torch.Tensor:
+    """The 2-norm of a local gradient shard in float32: of the whole, or of each chunk of rows
+    (as row_chunk_step.py cuts them) and then of those norms, when it has more than ``chunk``
+    elements, so that a 16-bit gradient is never widened whole. A float32 gradient and the
+    16-bit one it would have been (the reduce-scatter's 16-bit output widened) take the same
+    chunks: the same norm, bit for bit."""
+    rows = grad.shape[0] if grad.dim() else 1
+    per = rows_per_chunk(grad.numel() // max(rows, 1), chunk)
+    if grad.dim() == 0 or rows <= per:
+        return torch.linalg.vector_norm(widened(grad, factors), 2.0).float()
+    parts = [torch.linalg.vector_norm(widened(grad[a:a + per], factors), 2.0)
+             for a in range(0, rows, per)]
+    return torch.linalg.vector_norm(torch.stack(parts), 2.0).float()
+
+
+def _norm_of_local_shards(grads: list[torch.Tensor], mesh, shard_dims: list[int],
+                          factors: Sequence = ()) -> torch.Tensor:
+    local = [local_norm(g.to_local(), factors) for g in grads]
     squares = torch.stack(local).square()
     for dim in shard_dims:
         group = mesh.get_group(dim)
@@ -76,17 +98,24 @@ def _norm_of_local_shards(grads: list[torch.Tensor], mesh, shard_dims: list[int]
 
 
 def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float,
-                    local: bool = True) -> torch.Tensor:
+                    local: bool = True, pending: Optional[list] = None) -> torch.Tensor:
     """Scale the gradients of ``params`` so that their global norm is at most ``max_norm``
-    (no clipping when ``max_norm`` <= 0); returns the norm before clipping."""
+    (no clipping when ``max_norm`` <= 0); returns the norm before clipping. ``pending``: the
+    factors multiply_grads left pending for 16-bit gradients (local_shard_step.py); the
+    clipping factor joins them."""
     params = [p for p in params if p.grad is not None]
-    norm = total_norm([p.grad for p in params])
+    norm = total_norm([p.grad for p in params], pending or ())
     if max_norm > 0 and params:
         if not local:  # through DTensor dispatch
             torch.nn.utils.clip_grads_with_norm_(params, float(max_norm), norm)
             return norm
-        with local_views(params) as views:  # an elementwise scale: local_shard_step.py says why
-            torch.nn.utils.clip_grads_with_norm_(views, float(max_norm), norm)
+        # torch's clipping factor, taken from torch itself (a gradient of 1 clipped), then
+        # applied as torch applies it (one multiplication by it per gradient), on the local
+        # shards (an elementwise scale: local_shard_step.py says why), or left pending
+        probe = torch.zeros(1, device=norm.device)
+        probe.grad = torch.ones(1, device=norm.device)
+        torch.nn.utils.clip_grads_with_norm_([probe], float(max_norm), norm)
+        multiply_grads(params, probe.grad.reshape(()), pending)
     return norm
 
 
@@ -100,17 +129,28 @@ class GlobalGradNorm:
     #: scale gradients on the local shards (False: through DTensor dispatch, for comparisons)
     local_shards = True
 
+    def _pending(self) -> Optional[list]:
+        """The torch optimizer's list of factors pending for 16-bit gradients, if its step
+        takes them (adam_stats.py)."""
+        takes = getattr(self.optimizer, "takes_16_bit_grads", None)
+        return self.optimizer.grad_factors if takes is not None and takes() else None
+
     def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
-        norm = clip_grad_norm_(self.params, max_norm, self.local_shards)
+        norm = clip_grad_norm_(self.params, max_norm, self.local_shards, self._pending())
         # already global: fairseq's aggregate for its own FSDP (an all-reduce of the squared
         # norm) would sum it over the ranks once more, so it is not applied
         return norm
 
     def multiply_grads(self, c):
         if self.local_shards:
-            multiply_grads(self.params, c)
+            multiply_grads(self.params, c, self._pending())
         else:
             super().multiply_grads(c)
+
+    def zero_grad(self):
+        super().zero_grad()
+        if self._pending() is not None:
+            self.optimizer.grad_factors = []  # the gradients they were for are gone
 
 
 _classes: dict[type, type] = {}

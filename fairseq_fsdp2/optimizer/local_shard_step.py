@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -39,6 +39,8 @@ def local_views(params: Iterable[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
         for p in params:
             if isinstance(p, DTensor):
                 view = p.to_local()
+                if p.grad is not None and p.grad.dtype != view.dtype:
+                    view.grad_dtype = None  # a 16-bit gradient shard (sharding/narrow_grads.py)
                 view.grad = None if p.grad is None else p.grad.to_local()
                 made.append(view)
                 p = view
@@ -100,16 +102,26 @@ class LocalShardStep:
                         state[p] = local_state[view]
 
 
-def multiply_grads(params: Iterable[torch.Tensor], c) -> None:
+def multiply_grads(params: Iterable[torch.Tensor], c, pending: Optional[list] = None) -> None:
     """fairseq's ``multiply_grads`` (scale every gradient by ``c``, a number or a scalar tensor)
-    on the local shards, one ``_foreach_mul_`` per device and dtype as fairseq does."""
+    on the local shards, one ``_foreach_mul_`` per device and dtype as fairseq does. With
+    ``pending`` (a list), 16-bit gradients are not scaled in place (that would round the
+    product to 16 bits): ``c`` is appended to it, for the step and the norm to apply to the
+    widened gradient (row_chunk_step.py)."""
     with local_views(params) as views:
         by_kind: dict[tuple, list[torch.Tensor]] = {}
+        deferred = False
         for view in views:
-            if view.grad is not None:
-                by_kind.setdefault((view.grad.device, view.grad.dtype), []).append(view.grad)
+            if view.grad is None:
+                continue
+            if pending is not None and view.grad.dtype in (torch.float16, torch.bfloat16):
+                deferred = True
+                continue
+            by_kind.setdefault((view.grad.device, view.grad.dtype), []).append(view.grad)
         for (device, _), grads in by_kind.items():
             torch._foreach_mul_(grads, c.to(device) if torch.is_tensor(c) else c)
+        if deferred:  # a copy: fairseq may scale its own factor in place later
+            pending.append(c.detach().clone() if torch.is_tensor(c) else c)
 
 
 _classes: dict[tuple[type, type], type] = {}

@@ -26,7 +26,7 @@ from ..memory.monitor import MemoryMonitor, describe_last
 from ..optimizer import mixed_precision
 from ..optimizer.build import build_optimizer
 from ..options import FSDP2_BACKEND, tied_grad_buffer_on
-from ..sharding import layerdrop, meta_build, tied_grad_buffer
+from ..sharding import layerdrop, meta_build, narrow_grads, tied_grad_buffer
 from ..sharding.apply_plan import all_unsharded, apply_plan
 from ..sharding.mesh import build_mesh
 from ..sharding.plan import ShardingPlan, build_plan
@@ -132,9 +132,24 @@ class FSDP2Trainer(TrainerEMA, TrainerCheckpoints, Trainer):
         self._optimizer = build_optimizer(self.cfg, params)
         self._optimizer.optimizer.register_load_state_dict_pre_hook(self._load_sharded_optimizer)
         install_optimizer_hooks(self._optimizer.optimizer)
+        if self._keeps_16_bit_grads():
+            narrow_grads.keep_reduce_dtype_grads(self.model)
+            logger.info("gradient shards kept in the reduce dtype (--fsdp2-reduce-dtype) for "
+                        "the optimizer: 2 bytes per parameter element fewer than fp32")
         self._lr_scheduler = lr_scheduler.build_lr_scheduler(self.cfg.lr_scheduler,
                                                              self.optimizer)
         self._lr_scheduler.step_update(0)
+
+    def _keeps_16_bit_grads(self) -> bool:
+        """Whether the sharded gradients stay in the 16-bit reduce dtype (sharding/
+        narrow_grads.py): the optimizer's step takes them (optimizer/row_chunk_step.py), and
+        nothing adds gradients to them (--update-freq 1: no accumulation over micro-batches,
+        which would add in 16 bits), no --cpu-offload, no --fsdp2-fp32-grad-shards."""
+        dt = self.cfg.distributed_training
+        takes = getattr(self._optimizer.optimizer, "takes_16_bit_grads", None)
+        return mixed_precision.reduce_dtype(dt) != torch.float32 and takes is not None and \
+            takes() and list(self.cfg.optimization.update_freq) == [1] and \
+            not dt.cpu_offload and not getattr(dt, "fsdp2_fp32_grad_shards", False)
 
     def clip_grad_norm(self, clip_norm):
         # The norm comes from optimizer/grad_norm.py (build_optimizer installs it under

@@ -1,0 +1,90 @@
+"""Gradient shards kept in the 16-bit reduce dtype (sharding/narrow_grads.py) and the step that
+takes them (optimizer/row_chunk_step.py): fairseq-train with ``--fsdp2-reduce-dtype bf16/fp16``
+against the same run with ``--fsdp2-fp32-grad-shards`` (FSDP2's default: the 16-bit
+reduce-scatter output cast to an fp32 shard), 2 ranks.
+
+Why bit for bit: FSDP2 reduce-scatters in the reduce dtype either way, and its fp32 shard is
+that 16-bit value widened, exactly. Everything fairseq then does to the gradient is done to
+the same values in the same float32 operations: ``multiply_grads`` (fairseq's 1 / sample size,
+the fp16 wrapper's unscaling) and the clipping factor are applied to each widened chunk in the
+order they were asked for, as float32 products (what scaling the fp32 shard in place computes);
+the norm is taken over the same row chunks of the same float32 values (grad_norm.local_norm);
+Adam steps the same float32 numbers. So the logged loss, gradient norm and loss scale of every
+update agree exactly, overflows and skipped updates included (fp16 with a loss scale of 2^26:
+the fp16 gradients overflow, inf in 16 bits is inf widened).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import REPO, train_args_for
+from launcher import ok, run_command, run_ranks
+from numerics import per_update
+
+FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1"]
+WIDE = ["--fsdp2-fp32-grad-shards"]
+KEPT = "gradient shards kept in the reduce dtype"
+UPDATES = 5
+#: bf16 compute and reduction with 8-bit moments (the 600M benchmark's flags), and fp16 with
+#: float32 moments under fairseq's loss scaling, starting at a scale that overflows
+CASES = {"bf16_8bit": ["--bf16", "--fsdp2-reduce-dtype", "bf16", "--eight-bit-adam-stats"],
+         "fp16_overflow": ["--fp16", "--fsdp2-reduce-dtype", "fp16", "--fp16-init-scale",
+                           str(2 ** 26)]}
+
+
+def train(corpus, save_dir, *flags) -> tuple[str, dict]:
+    """Rank 0's log and the final weights (the checkpoint exported by consolidate)."""
+    out = ok(run_ranks(2, lambda r: train_args_for(corpus, save_dir, *FSDP2, *flags,
+                                                   updates=UPDATES, save=True)))
+    exported = save_dir / "model.pt"
+    proc = run_command("fairseq_fsdp2.consolidate", save_dir / "checkpoint_last.pt", exported)
+    assert proc.returncode == 0, proc.output[-2000:]
+    return out, torch.load(exported, weights_only=True)["model"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_16_bit_gradient_shards_train_bit_identical_to_fp32_shards(case, corpus, tmp_path):
+    flags = CASES[case]
+    narrow, weights = train(corpus, tmp_path / "narrow", *flags)
+    wide, wide_weights = train(corpus, tmp_path / "wide", *flags, *WIDE)
+    assert KEPT in narrow and KEPT not in wide  # the two paths under comparison were taken
+    got, want = per_update(narrow, ("loss", "gnorm", "loss_scale") if "--fp16" in flags
+                           else ("loss", "gnorm")), None
+    want = per_update(wide, ("loss", "gnorm", "loss_scale") if "--fp16" in flags
+                      else ("loss", "gnorm"))
+    assert sorted(want) == list(range(1, UPDATES + 1)), want
+    assert got == want
+    # the weights after the last update, bit for bit (the printed values are rounded)
+    assert weights.keys() == wide_weights.keys()
+    differ = [k for k in weights if not torch.equal(weights[k], wide_weights[k])]
+    assert not differ, differ
+    if case == "fp16_overflow":  # the overflow path was exercised, alike
+        note = "gradient overflow detected"
+        assert narrow.count(note) >= 3 and narrow.count(note) == wide.count(note)
+
+
+def test_fsdp2_keeps_the_reduce_dtype_gradient_shards():
+    """FSDP2's private state that sharding/narrow_grads.py sets (FSDPParamGroup._orig_dtype,
+    torch 2.13) still does what it did: two small models sharded alike on 2 ranks, bf16
+    reduce-scatter, over two forward/backward passes (FSDP2's lazy initialization in
+    between): the kept gradients are bf16 DTensors laid out like their parameters, equal to
+    FSDP2's default fp32 shards, which are fp32. A torch that renames or ignores it fails
+    here (AttributeError in the probe, or fp32 gradients), not silently."""
+    out = ok(run_ranks(2, lambda r: [], module="narrow_grads_probe",
+                       env={"PYTHONPATH": str(REPO / "tests" / "probes")}))
+    r = json.loads(next(line for line in out.splitlines() if line.startswith("PROBE "))[6:])
+    assert r["groups"] == 2  # the two layers' units (the root holds no parameter)
+    assert r["dtypes"] == ["torch.bfloat16"] * 8, r["dtypes"]
+    assert r["wide_dtypes"] == ["torch.float32"] * 8, r["wide_dtypes"]
+    assert all(r["dtensor"]) and all(r["equal"]), r
+
+
+def test_gradients_accumulated_over_micro_batches_stay_fp32(corpus, tmp_path):
+    """--update-freq 2: FSDP2 adds each micro-batch's reduced gradient to the shard, which in
+    16 bits would round every sum; the trainer keeps FSDP2's fp32 shards then (and trains)."""
+    out = ok(run_ranks(2, lambda r: train_args_for(
+        corpus, tmp_path, *FSDP2, *CASES["bf16_8bit"], "--update-freq", "2", updates=2)))
+    assert KEPT not in out and sorted(per_update(out)) == [1, 2]

@@ -20,6 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ..errors import CheckpointError, no_space_left
+from ..models import lora
 from ..models.nllb import NLLB_SIZES
 from ..options import PLUGIN_OPTIONS
 from ..hf import nllb_weights as hf_nllb
@@ -133,7 +134,25 @@ def read_full_model(checkpoint: str) -> dict:
 
 
 def _fsdp2_model(checkpoint: str, state: dict) -> dict:
-    return full_tensors(checkpoint, state, "model")
+    """The full weights of an FSDP2 checkpoint; of a LoRA one the adapters merged into the
+    base's weights (models/lora.py), so that stock fairseq reads them."""
+    info = state.get("fsdp2") or {}
+    if not info.get("lora_base"):
+        return full_tensors(checkpoint, state, "model")
+    return lora.merged(lora_tensors(checkpoint, state), info["lora"]["scaling"])
+
+
+def lora_tensors(checkpoint: str, state: dict) -> dict:
+    """A LoRA checkpoint's full tensors, unmerged: the frozen base (its own directory) and
+    what trained (the adapters, --lora-train-params)."""
+    info = state["fsdp2"]
+    base = full_tensors(checkpoint, {"fsdp2": {**info, "shards": info["lora_base"],
+                                               "aliases": {}}}, "model")
+    trained = full_tensors(checkpoint, {"fsdp2": {**info, "aliases": {}}}, "model")
+    tensors = {**base, **trained}
+    for alias, canonical in info["aliases"].items():
+        tensors[alias] = tensors[canonical]
+    return tensors
 
 
 def full_tensors(checkpoint: str, state: dict, entry: str) -> dict:

@@ -157,12 +157,13 @@ def data_error(error: BaseException, data: Optional[str]) -> Optional[str]:
 
 def check_fsdp2_only_options(cfg) -> None:
     """The plugin's options whose names do not say FSDP2 (``--bf16-adam-stats``,
-    ``--eight-bit-adam-stats``, ``--init-new-langs-from``), given to another backend, which
+    ``--eight-bit-adam-stats``, ``--init-new-langs-from``, ``--lora-rank``), given to another backend, which
     would ignore them: refused."""
     dt = cfg.distributed_training
     for key, flag in (("bf16_adam_stats", "--bf16-adam-stats"),
                       ("eight_bit_adam_stats", "--eight-bit-adam-stats"),
-                      ("init_new_langs_from", "--init-new-langs-from")):
+                      ("init_new_langs_from", "--init-new-langs-from"),
+                      ("lora_rank", "--lora-rank")):
         if getattr(dt, key, None):
             raise OptionError(f"{flag} needs --ddp-backend fsdp2: --ddp-backend "
                               f"{dt.ddp_backend} would ignore it")

@@ -32,6 +32,7 @@ from ..checkpoint.safe_load import python_numbers, read_checkpoint_file
 from ..checkpoint.shared_dir import check_shared
 from ..hf import nllb_weights as hf_nllb
 from ..memory.monitor import current_gb
+from ..models import lora
 from ..options import new_lang_sources
 from ..optimizer.loss_scale import restore_scaler_counts, scaler_counts
 from . import resume
@@ -71,6 +72,8 @@ class TrainerCheckpoints:
         keep_optimizer = not self.cfg.checkpoint.no_save_optimizer_state
         optimizer = self.optimizer.optimizer if keep_optimizer else None
         with self._save_errors_reported():
+            if lora.spec_of(self.model) is not None and self.lora_base is None:
+                self._lora_base = sharded.save_base(self.model, save_dir)  # once per save dir
             extra = self.sharded_extras()
             if saves is not None:  # training goes on while the shards are written
                 timeout = self.cfg.distributed_training.heartbeat_timeout
@@ -81,6 +84,12 @@ class TrainerCheckpoints:
             else:
                 self._shards = sharded.save(self.model, optimizer, save_dir,
                                             self.get_num_updates(), extra)
+
+    @property
+    def lora_base(self):
+        """A LoRA run's frozen base in this save dir (relative), once written (or resumed
+        from this save dir); None before."""
+        return getattr(self, "_lora_base", None)
 
     def sharded_extras(self) -> dict:
         """More state for the shards, beside model and optimizer (ema.py: the EMA's)."""
@@ -129,7 +138,8 @@ class TrainerCheckpoints:
             state["last_optimizer_state"] = {sharded.SHARDED: rel,
                                              **({"loss_scale": scale} if scale else {}),
                                              **({"loss_scaler": counts} if counts else {})}
-        state["fsdp2"] = sharded.header(self.model, rel, self.data_parallel_world_size)
+        state["fsdp2"] = sharded.header(self.model, rel, self.data_parallel_world_size,
+                                        self.lora_base)
         return python_numbers(state)  # fairseq keeps e.g. the best BLEU as a numpy scalar
 
     def load_checkpoint(self, filename, reset_optimizer=False, reset_lr_scheduler=False,
@@ -150,6 +160,13 @@ class TrainerCheckpoints:
             if info is not None:
                 shard_dir = sharded.resolve(filename, info["shards"])
                 saved = sharded.saved_shapes(sharded.read_metadata(shard_dir, filename))
+                if info.get("lora_base"):  # a LoRA checkpoint: its frozen base beside it
+                    self._lora_base_dir = sharded.resolve(filename, info["lora_base"])
+                    saved.update(sharded.saved_shapes(
+                        sharded.read_metadata(self._lora_base_dir, filename)))
+                    if os.path.dirname(os.path.abspath(filename)) == \
+                            os.path.abspath(self.cfg.checkpoint.save_dir):
+                        self._lora_base = info["lora_base"]  # this save dir's: not written again
             else:
                 saved = {k: tuple(v.shape) for k, v in state["model"].items()
                          if torch.is_tensor(v)}
@@ -158,6 +175,16 @@ class TrainerCheckpoints:
                 del state
                 self._load_pretrained(filename)
                 return self._reset_extra_state(kept)
+            if lora.spec_of(self.model) is not None and "lora" not in (info or {}):
+                if reset_optimizer and reset_lr_scheduler and reset_meters:
+                    # the base of a LoRA run: a stock, Hugging Face or full FSDP2 checkpoint
+                    # (a LoRA one's weights come merged), adapters from their start
+                    kept = {k: state.get(k) for k in ("optimizer_history", "extra_state")}
+                    del state
+                    self._load_pretrained(filename)
+                    return self._reset_extra_state(kept)
+                raise CheckpointError(f"{filename} was not trained with --lora-rank: start "
+                                      f"LoRA from it with --finetune-from-model")
             sharded.check_model_matches(self.model, saved, filename)
             kept = {k: state.get(k) for k in ("optimizer_history", "extra_state")}
             del state  # the weights: read again where needed (by rank 0 only, below)
@@ -230,7 +257,7 @@ class TrainerCheckpoints:
                 full = self._pretrained_weights(filename)
             except CheckpointError as e:  # told to every rank by the broadcast
                 problem = str(e)
-        broadcast_full_model(self.model, full, filename, problem)
+        broadcast_full_model(self.model, full, filename, problem, skip=lora.is_adapter)
         self._weights_loaded = True
         del full
         ranks = self._memory.gather({"before_gb": before,
@@ -294,7 +321,8 @@ class TrainerCheckpoints:
         if prefix or sharded.SHARDED not in state_dict:
             return
         sharded.load_model(module, sharded.resolve(self._loading_from,
-                                                   state_dict[sharded.SHARDED]))
+                                                   state_dict[sharded.SHARDED]),
+                           getattr(self, "_lora_base_dir", None))
         state_dict.clear()
         state_dict.update(module.state_dict())
 

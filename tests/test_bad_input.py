@@ -153,6 +153,29 @@ CATALOGUE = {
          f"{flag} needs --ddp-backend fsdp2: --ddp-backend legacy_ddp would ignore it")
         for flag, value in [("--bf16-adam-stats", []), ("--eight-bit-adam-stats", []),
                             ("--init-new-langs-from", ["eng_Latn"])]],
+    "`--lora-rank -1`, `--lora-alpha 0`, `--lora-dropout 1`, or a LoRA option without "
+    "`--lora-rank`": [
+        (1, ["--lora-rank", "-1"], "--lora-rank must be >= 0 (0: off), got -1"),
+        (1, ["--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha must be > 0, got 0"),
+        (1, ["--lora-rank", "4", "--lora-dropout", "1"],
+         "--lora-dropout must be >= 0 and < 1, got 1"),
+        (1, ["--lora-alpha", "8"], "--lora-alpha needs --lora-rank R > 0 (LoRA is off)"),
+        (1, ["--lora-train-params", "layer_norm"],
+         "--lora-train-params needs --lora-rank R > 0 (LoRA is off)")],
+    "`--lora-modules` naming no linear module of the model, or `--lora-train-params` that is "
+    "not a regular expression": [
+        (1, ["--lora-rank", "4", "--lora-modules", "q_prj"], "--lora-modules q_prj: no linear "
+         "module of the model is named so (its linear modules: fc1, fc2, k_proj, out_proj, "
+         "output_projection, q_proj, v_proj)"),
+        (1, ["--lora-rank", "4", "--lora-train-params", "("], "--lora-train-params: '(' is not "
+         "a regular expression (missing ), unterminated subpattern at position 0)")],
+    "`--lora-rank` with another backend (`--ddp-backend legacy_ddp`, ...)": [
+        (1, ["--lora-rank", "4", "--ddp-backend", "legacy_ddp"],
+         "--lora-rank needs --ddp-backend fsdp2: --ddp-backend legacy_ddp would ignore it")],
+    "`--lora-rank` resuming (`--restore-file`) a checkpoint trained without it": [
+        (1, ["--lora-rank", "4", "--restore-file", "{good}"],
+         "{good} was not trained with --lora-rank: start LoRA from it with "
+         "--finetune-from-model")],
     "`--ema-seed-model` that does not exist or holds no EMA": [
         (1, ["--store-ema", "--ema-seed-model", "{absent}"],
          "--ema-seed-model not found: {absent}"),

@@ -81,9 +81,14 @@ def adapted(model, tensors=None, seed=1):
 
 
 def batch(task, sentences=8):
+    """Validation sentences whose targets have one length (the decoder input unpadded:
+    transformers places padded target positions otherwise than fairseq)."""
+    from collections import Counter
     task.load_dataset("valid")
     data = task.dataset("valid")
-    samples = data.collater([data[i] for i in range(sentences)])
+    length = Counter(len(data[i]["target"]) for i in range(len(data))).most_common(1)[0][0]
+    chosen = [i for i in range(len(data)) if len(data[i]["target"]) == length][:sentences]
+    samples = data.collater([data[i] for i in chosen])
     net = samples["net_input"]
     return {"src": net["src_tokens"].tolist(), "prev": net["prev_output_tokens"].tolist()}
 
@@ -216,3 +221,38 @@ def test_merged_export_equals_the_unmerged_model_and_stock_generate_reads_it(run
                        "valid", "--beam", "2", "--max-tokens", "2000", "--cpu")
     assert proc.returncode == 0, proc.output[-2000:]
     assert sum(line.startswith("H-") for line in proc.output.splitlines()) > 90
+
+
+def test_peft_loads_the_adapter_directory_and_agrees_with_fairseq(runs, tmp_path):
+    """The base exported to Hugging Face format (--format hf), the adapters as a PEFT
+    directory (--format peft): peft.PeftModel.from_pretrained on transformers' M2M100 gives the
+    unmerged fairseq model's float64 logits within LOGIT_TOL x scale (tests/hf_compare.py:
+    both sides' float64 forwards, their amplification of rounding guarded)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import FIXTURE_DEPS, TESTS, need_fixture_dep
+    from hf_compare import assert_logits_close
+    from launcher import base_env
+    need_fixture_dep("peft", "for the PEFT side")
+    path = runs["root"] / "two" / "checkpoint_last.pt"
+    hf_base, adapter = tmp_path / "hf_base", tmp_path / "adapter"
+    for source, out, fmt in ((runs["base"], hf_base, "hf"), (path, adapter, "peft")):
+        proc = run_command("fairseq_fsdp2.consolidate", "--format", fmt, source, out)
+        assert proc.returncode == 0, proc.output[-2000:]
+    assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json",
+                                                         "adapter_model.safetensors"]
+    model, _, task = load_stock(runs["base"])
+    tensors = lora_tensors(str(path), torch.load(path, weights_only=True))
+    ours = adapted(python_attention(model), tensors)
+    request = batch(task)
+    (tmp_path / "request.json").write_text(json.dumps(request))
+    done = subprocess.run([sys.executable, str(TESTS / "peft_reference.py"), hf_base, adapter,
+                           tmp_path / "request.json", tmp_path / "result.json"],
+                          env=base_env({"PYTHONPATH": str(FIXTURE_DEPS)}), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["lora_modules"] == 32 and result["lora_B_abs_sum"] > 0, result
+    assert_logits_close(ours, copy.deepcopy(ours).double(), request, result)

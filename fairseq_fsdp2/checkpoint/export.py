@@ -23,7 +23,7 @@ from ..errors import CheckpointError, no_space_left
 from ..models import lora
 from ..models.nllb import NLLB_SIZES
 from ..options import PLUGIN_OPTIONS
-from ..hf import nllb_weights as hf_nllb
+from ..hf import lora_adapter, nllb_weights as hf_nllb
 from ..hf.tokenizer_files import DATA_SUBDIR as TOKENIZER_SUBDIR
 from . import legacy_fairscale, sharded
 from .safe_load import read_checkpoint_file
@@ -47,6 +47,8 @@ def consolidate(checkpoint: str, out: str, data: str | None = None,
     --store-ema run is written where fairseq keeps it (extra_state); ``ema``: the EMA's weights
     are the exported model instead (``checkpoint`` may then be a stock fairseq checkpoint
     too)."""
+    if out_format == "peft":
+        return peft_adapter(checkpoint, out)
     legacy = legacy_fairscale.shard_files(checkpoint)
     if legacy and ema:
         raise CheckpointError("--ema: legacy FSDP shards hold no EMA the plugin can read")
@@ -140,6 +142,21 @@ def _fsdp2_model(checkpoint: str, state: dict) -> dict:
     if not info.get("lora_base"):
         return full_tensors(checkpoint, state, "model")
     return lora.merged(lora_tensors(checkpoint, state), info["lora"]["scaling"])
+
+
+def peft_adapter(checkpoint: str, out: str) -> str:
+    """A LoRA checkpoint's adapters as a PEFT adapter directory (hf/lora_adapter.py)."""
+    state = read_checkpoint_file(checkpoint)
+    info = state.get("fsdp2") if isinstance(state.get("fsdp2"), dict) else {}
+    if not info.get("lora_base"):
+        raise CheckpointError(f"{checkpoint} was not trained with --lora-rank: it has no "
+                              f"adapters to export (--format peft)")
+    tensors = lora_tensors(checkpoint, state)
+    metadata = sharded.read_metadata(sharded.resolve(checkpoint, info["shards"]), checkpoint)
+    trained = sorted(k[len("model."):] for k, md in metadata.state_dict_metadata.items()
+                     if k.startswith("model.") and hasattr(md, "size") and
+                     not lora.is_adapter(k) and torch.Size(md.size).numel() > 1)
+    return lora_adapter.export(tensors, info["lora"], trained, out)
 
 
 def lora_tensors(checkpoint: str, state: dict) -> dict:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -25,10 +26,45 @@ from .harness import (NLLB_600M, SEQ, launch, measured_or_saved, predicted,
                       replace_section, stop_if_a_rank_failed, train_args, versions)
 from .nllb600m import RECIPE_CHUNK, recipe
 
+WPS = re.compile(r'"train_wps": "([0-9.]+)"')
 BEGIN, END = "<!-- lora-600m: begin -->", "<!-- lora-600m: end -->"
 LORA = ["--lora-rank", "16", "--lora-alpha", "32"]
-SETTINGS = {"LoRA, " + " ".join(LORA): LORA,
-            "full fine-tuning, --eight-bit-adam-stats": ["--eight-bit-adam-stats"]}
+EIGHT_BIT = ["--eight-bit-adam-stats"]
+#: stands for the base checkpoint's path in a setting's flags
+BASE = "{base}"
+FINETUNE = ["--finetune-from-model", BASE]
+#: each setting's flags on top of the common command line. From a random initialisation every
+#: rank builds the full fp32 model first (fairseq's build); from a checkpoint
+#: (--finetune-from-model, a bf16 stock checkpoint written first) the model is built on the
+#: meta device and each rank allocates only its shards, as a LoRA run fine-tunes
+SETTINGS = {"LoRA, " + " ".join(LORA) + ", random init": LORA,
+            "full fine-tuning, --eight-bit-adam-stats, random init": EIGHT_BIT,
+            "LoRA, " + " ".join(LORA) + ", from a bf16 checkpoint": LORA + FINETUNE,
+            "full fine-tuning, --eight-bit-adam-stats, from a bf16 checkpoint":
+                EIGHT_BIT + FINETUNE}
+
+
+def write_base(data: Path, work: Path, args) -> Path:
+    """A stock fairseq checkpoint of the randomly initialised model in bf16 (as the NLLB
+    checkpoints a LoRA run starts from are read: weights only), written once in --work."""
+    out = work / "base_bf16.pt"
+    if out.exists():
+        return out
+    import torch
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    train = command(data, work, args, [])
+    cfg = convert_namespace_to_omegaconf(
+        options.parse_args_and_arch(options.get_training_parser(), train[:]))
+    torch.manual_seed(1)
+    model = tasks.setup_task(cfg.task).build_model(cfg.model)
+    state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
+             for k, v in model.state_dict().items()}
+    del model
+    torch.save({"model": state}, str(out) + ".tmp")
+    os.replace(str(out) + ".tmp", out)
+    return out
 
 
 def command(data: Path, work: Path, args, flags: list[str]) -> list[str]:
@@ -37,6 +73,9 @@ def command(data: Path, work: Path, args, flags: list[str]) -> list[str]:
 
 
 def measure_setting(data: Path, work: Path, args, flags: list[str]) -> dict:
+    if BASE in flags:
+        base = str(write_base(data, work, args))
+        flags = [base if f == BASE else f for f in flags]
     t0 = time.time()
     results = launch(args.ranks, lambda rank: command(data, work, args, flags), args.timeout,
                      wrapper=TIME)
@@ -46,11 +85,10 @@ def measure_setting(data: Path, work: Path, args, flags: list[str]) -> dict:
         found = RSS.findall(out)
         assert len(found) == 1, out[-2000:]
         peaks.append(round(int(found[0]) / KIB_PER_GIB, 3))
-    summary = [json.loads(line.split("| train | ", 1)[1]) for line in results[0][1].splitlines()
-               if "| train | {" in line]
+    wps = WPS.findall(results[0][1])  # fairseq's end-of-epoch record (both updates)
     return {"flags": flags, "peaks_gb": peaks, "wall_s": round(time.time() - t0, 1),
-            "wps": float(summary[-1]["train_wps"]) if summary else None,
-            "load": os.getloadavg()[0]}
+            "wps": float(wps[-1]) if wps else None, "load": os.getloadavg()[0],
+            "summary": [line for line in results[0][1].splitlines() if "train_wps" in line]}
 
 
 def report(rows: dict, info: dict, meta: dict, work: Path, args) -> str:
@@ -73,7 +111,11 @@ def report(rows: dict, info: dict, meta: dict, work: Path, args) -> str:
     for name, row in rows.items():
         cells = " | ".join(f"{p:.2f}" for p in row["peaks_gb"])
         try:
-            guess = f"{predicted(command(Path('DATA'), work, args, row['flags']), meta['ranks']).peak_gb:.2f}"
+            flags = row["flags"]  # the estimator reads no weights: without the checkpoint
+            if FINETUNE[0] in flags:
+                at = flags.index(FINETUNE[0])
+                flags = flags[:at] + flags[at + 2:]
+            guess = f"{predicted(command(Path(meta['data']), work, args, flags), meta['ranks']).peak_gb:.2f}"
         except Exception as e:  # noqa: BLE001 - shown in the table, not hidden
             guess = f"({type(e).__name__})"
         wps = f"{row['wps']:.0f}" if row.get("wps") else "-"
@@ -87,11 +129,16 @@ def main(args: argparse.Namespace, command_line: str) -> int:
     """Measure both settings (or reload them, --report-only), replace the section of --out,
     save the rows (benchmark_lora_600m.json in --work)."""
     def measure(data: Path, work: Path) -> dict:
-        rows = {name: measure_setting(data, work, args, flags)
-                for name, flags in SETTINGS.items()}
+        # rows an interrupted run saved are kept (each setting takes minutes)
+        partial = work / "benchmark_lora_600m.partial.json"
+        rows = json.loads(partial.read_text()) if partial.exists() else {}
+        for name, flags in SETTINGS.items():
+            if name not in rows:
+                rows[name] = measure_setting(data, work, args, flags)
+                partial.write_text(json.dumps(rows, indent=1))
         return {"rows": rows, "meta": {"command": command_line, "date": time.strftime("%Y-%m-%d"),
                                        "ranks": args.ranks, "max_tokens": args.max_tokens,
-                                       "updates": args.updates}}
+                                       "updates": args.updates, "data": str(data)}}
 
     saved = measured_or_saved(args, "benchmark_lora_600m.json", measure)
     text = report(saved["rows"], versions(), saved["meta"], Path(args.work), args)

@@ -256,3 +256,37 @@ def test_peft_loads_the_adapter_directory_and_agrees_with_fairseq(runs, tmp_path
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["lora_modules"] == 32 and result["lora_B_abs_sum"] > 0, result
     assert_logits_close(ours, copy.deepcopy(ours).double(), request, result)
+
+
+def test_the_estimator_counts_a_frozen_16_bit_base_and_the_adapters_state():
+    """No run: the estimator's LoRA ledger (estimator/lora.py) on the tiny NLLB at 2 ranks,
+    --fp16 --lora-rank 4, against the adapted model's parameters counted here: each rank's
+    shards are its dim-0 rows (torch.chunk's split: the first ranks take ceil(n / 2)); the
+    frozen ones in 2 bytes, the adapters in 4 with Adam's two fp32 moments; no gradient as
+    large as the frozen embedding's."""
+    from fairseq_fsdp2.estimator import from_args
+    from fairseq_fsdp2.estimator.fsdp2_step import simulate_fsdp2
+
+    argv = ["unused", "--task", "translation", "--vocab-size", "1000", "--arch",
+            "transformer_nllb_tiny", "--max-tokens", "512", "--ddp-backend", "fsdp2",
+            "--min-params-to-wrap", "1", "--optimizer", "adam", "--fp16"]
+    args = from_args.parse(argv + ["--lora-rank", "4"])
+    model = from_args.build_meta_model(args)
+    profile = from_args.profile_for(args, model)  # adapts the model
+    frozen = trained = 0
+    for name, param in model.named_parameters():
+        rows = -(-param.shape[0] // 2) if param.dim() else 1
+        elements = rows * (param[0].numel() if param.dim() else 1)
+        if param.requires_grad:
+            assert lora.is_adapter(name), name
+            trained += elements
+        else:
+            frozen += elements
+    assert trained and frozen
+    led = simulate_fsdp2(profile, from_args.setup_for(args, 2))
+    assert led.now["sharded"] == 2 * frozen + 4 * trained
+    assert led.now["optim"] == 8 * trained
+    full = simulate_fsdp2(from_args.profile_for(from_args.parse(argv)),
+                          from_args.setup_for(from_args.parse(argv), 2))
+    embedding = 1000 * 64 * 2  # vocab x dim, fp16
+    assert full.max["grads"] >= embedding > led.max["grads"]

@@ -10,31 +10,22 @@ Replaces the section between the markers in docs/benchmarks.md.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmark_adam_stats_600m import build_parser  # noqa: E402  (the same arguments)
 from fairseq_fsdp2.benchmarks import lora_600m  # noqa: E402
-from fairseq_fsdp2.benchmarks.harness import ROOT, command_of  # noqa: E402
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", default="/tmp/fairseq_fsdp2_benchmark_lora")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=512)
-    parser.add_argument("--updates", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=3600)
-    parser.add_argument("--report-only", metavar="JSON", default=None,
-                        help="rewrite the report from a saved benchmark_lora_600m.json")
-    return parser
+from fairseq_fsdp2.benchmarks.harness import command_of  # noqa: E402
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    parser.description = __doc__.splitlines()[0]
+    parser.set_defaults(work="/tmp/fairseq_fsdp2_benchmark_lora")
+    args = parser.parse_args(argv)
     return lora_600m.main(args, command_of("scripts/benchmark_lora_600m.py", argv))
 
 

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 
 import torch
 
 from ..errors import CheckpointError
 from ..models import lora
 from .nllb_weights import hf_name
-from .safetensors_io import write
+from .safetensors_io import new_directory, write
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
@@ -55,16 +53,8 @@ def export(tensors: dict, info: dict, trained: list[str], out: str) -> str:
         for part in (lora.LORA_A, lora.LORA_B):
             weights.append((f"{PEFT_PREFIX}{name}.{part}.weight",
                             tensors[f"{path}.{part}"].to(torch.float32).contiguous()))
-    parent = os.path.dirname(os.path.abspath(out))
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
-    try:
+    with new_directory(out) as tmp:
         with open(os.path.join(tmp, CONFIG), "w") as f:
             json.dump(adapter_config(info, modules), f, indent=2)
         write(os.path.join(tmp, WEIGHTS), weights, metadata={"format": "pt"})
-        if os.path.isdir(out):
-            os.rmdir(out)
-        os.replace(tmp, out)
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp)
     return out

@@ -13,7 +13,7 @@ import torch
 import fairseq_fsdp2  # noqa: F401  (allow-lists the classes fairseq pickles for torch.load)
 
 from conftest import PLUGIN, TINY_MODEL, TRAINING
-from hf_compare import AMPLIFICATION_GUARD, fairseq_logits
+from hf_compare import AMPLIFICATION_GUARD, LOGIT_TOL, fairseq_logits, greedy, greedy_gaps
 from launcher import ok, run_command, run_ranks
 from numerics import FP32_REORDERED, per_update, printed_close
 
@@ -216,6 +216,28 @@ def test_merged_export_equals_the_unmerged_model_and_stock_generate_reads_it(run
           f"vs float64: {guard:.2e}")
     assert worst <= AMPLIFICATION_GUARD + 2.0 ** -40, worst
     assert moved > 10 * AMPLIFICATION_GUARD, moved  # a wrong merge would show
+    # Greedy translations (float64) of the merged and the unmerged model: the same tokens,
+    # except from a step whose best two logits are within twice that tolerance (there the
+    # rounding can choose otherwise, and the rest continues from another context)
+    from omegaconf import open_dict
+    exported64, unmerged64 = copy.deepcopy(exported).double(), copy.deepcopy(unmerged).double()
+    _, cfg, _ = load_stock(merged_path)
+    with open_dict(cfg):
+        cfg.generation.beam = 1
+        cfg.generation.max_len_a, cfg.generation.max_len_b = 0, 16  # the tiny corpus: <= 13
+    near_tie = 2 * (AMPLIFICATION_GUARD + 2.0 ** -40) / LOGIT_TOL  # greedy_gaps' units
+    data = task.dataset("valid")
+    generators = [task.build_generator([m], cfg.generation) for m in (exported64, unmerged64)]
+    differ = 0
+    for i in range(10):
+        src = data[i]["source"].tolist()
+        got = greedy(task, generators[0], exported64, src)
+        want = greedy(task, generators[1], unmerged64, src)
+        k = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b),
+                 None if len(got) == len(want) else min(len(got), len(want)))
+        assert k is None or greedy_gaps(unmerged64, src, want)[k] <= near_tie, (i, got, want)
+        differ += k is not None
+    print(f"greedy translations of 10 sentences: {differ} differ (at near-ties)")
     # stock fairseq-generate (no --user-dir) reads the merged export
     proc = run_command("fairseq_cli.generate", corpus, "--path", merged_path, "--gen-subset",
                        "valid", "--beam", "2", "--max-tokens", "2000", "--cpu")

@@ -175,16 +175,22 @@ class TrainerCheckpoints:
                 del state
                 self._load_pretrained(filename)
                 return self._reset_extra_state(kept)
-            if lora.spec_of(self.model) is not None and "lora" not in (info or {}):
+            saved_lora = (info or {}).get("lora")
+            if (lora.spec_of(self.model) is not None) != (saved_lora is not None):
                 if reset_optimizer and reset_lr_scheduler and reset_meters:
-                    # the base of a LoRA run: a stock, Hugging Face or full FSDP2 checkpoint
-                    # (a LoRA one's weights come merged), adapters from their start
+                    # fine-tuning across LoRA and full training: the weights (a LoRA
+                    # checkpoint's merged), adapters from their start
                     kept = {k: state.get(k) for k in ("optimizer_history", "extra_state")}
                     del state
                     self._load_pretrained(filename)
                     return self._reset_extra_state(kept)
-                raise CheckpointError(f"{filename} was not trained with --lora-rank: start "
-                                      f"LoRA from it with --finetune-from-model")
+                if saved_lora is None:
+                    raise CheckpointError(f"{filename} was not trained with --lora-rank: start "
+                                          f"LoRA from it with --finetune-from-model")
+                raise CheckpointError(f"{filename} was trained with --lora-rank "
+                                      f"{saved_lora['rank']}: resume it with --lora-rank "
+                                      f"{saved_lora['rank']}, or start from its merged weights "
+                                      f"with --finetune-from-model")
             sharded.check_model_matches(self.model, saved, filename)
             kept = {k: state.get(k) for k in ("optimizer_history", "extra_state")}
             del state  # the weights: read again where needed (by rank 0 only, below)

@@ -161,6 +161,15 @@ class FSDP2DistributedTrainingConfig(DistributedTrainingConfig):
                           "embed_tokens (the shared embedding, for languages added with "
                           "--init-new-langs-from)"},
     )
+    lora_train_new_rows: bool = field(
+        default=False,
+        metadata={"help": "FSDP2, --lora-rank: train the shared embedding's rows that the "
+                          "dictionary adds to the pretrained model's (new languages and pieces, "
+                          "--init-new-langs-from) beside the adapters; the pretrained rows keep "
+                          "their values bit for bit (their gradient is zeroed before the "
+                          "optimizer step; the embedding then has fp32 weights and optimizer "
+                          "state). Not with --weight-decay, which would move them"},
+    )
 
 
 #: the plugin's own keys of the distributed_training group (stock fairseq has none of them)
@@ -299,7 +308,8 @@ def check_lora(dt) -> None:
         ("--lora-dropout", float(getattr(dt, "lora_dropout", 0.0) or 0.0) != 0.0),
         ("--lora-modules", str(getattr(dt, "lora_modules", DEFAULT_LORA_MODULES))
          != DEFAULT_LORA_MODULES),
-        ("--lora-train-params", bool(getattr(dt, "lora_train_params", None)))) if on]
+        ("--lora-train-params", bool(getattr(dt, "lora_train_params", None))),
+        ("--lora-train-new-rows", bool(getattr(dt, "lora_train_new_rows", False)))) if on]
     if rank == 0:
         if given:
             raise OptionError(f"{given[0]} needs --lora-rank R > 0 (LoRA is off)")

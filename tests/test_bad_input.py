@@ -175,6 +175,10 @@ CATALOGUE = {
          "output_projection, q_proj, v_proj)"),
         (1, ["--lora-rank", "4", "--lora-train-params", "("], "--lora-train-params: '(' is not "
          "a regular expression (missing ), unterminated subpattern at position 0)")],
+    "`--lora-train-new-rows` with `--weight-decay`": [
+        (1, ["--lora-rank", "4", "--lora-train-new-rows", "--weight-decay", "0.01"],
+         "--lora-train-new-rows keeps the pretrained rows as they are, which --weight-decay "
+         "0.01 would shrink: choose one")],
     "`--lora-rank` with another backend (`--ddp-backend legacy_ddp`, ...)": [
         (1, ["--lora-rank", "4", "--ddp-backend", "legacy_ddp"],
          "--lora-rank needs --ddp-backend fsdp2: --ddp-backend legacy_ddp would ignore it")],

@@ -32,7 +32,8 @@ def adapt(model: nn.Module, args) -> bool:
     if lora.spec_of(model) is not None:  # (the fit's trials reuse one model)
         return True
     lora.adapt(model, args.lora_rank, lora_scaling(args), float(args.lora_dropout or 0.0),
-               lora_modules(args), lora_train_patterns(args))
+               lora_modules(args), lora_train_patterns(args),
+               bool(getattr(args, "lora_train_new_rows", False)))
     return True
 
 

@@ -110,6 +110,10 @@ def check_options(cfg) -> None:
              world_size=dt.distributed_world_size,
              optimizer=getattr(cfg.optimizer, "_name", None),  # a Namespace for some
              fp16_adam_stats=bool(getattr(cfg.optimizer, "fp16_adam_stats", False)))
+    decay = float(getattr(cfg.optimizer, "weight_decay", 0.0) or 0.0)
+    if getattr(dt, "lora_train_new_rows", False) and decay > 0:
+        raise OptionError(f"--lora-train-new-rows keeps the pretrained rows as they are, which "
+                          f"--weight-decay {decay:g} would shrink: choose one")
     check_fairseq_flags(cfg)
 
 

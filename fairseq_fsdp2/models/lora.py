@@ -43,9 +43,11 @@ class LoraSpec:
     """What ``adapt`` did: rank, scaling, dropout, the adapted modules' paths."""
 
     def __init__(self, rank: int, scaling: float, dropout: float, modules: list[str],
-                 train_patterns: list[str]):
+                 train_patterns: list[str], new_rows: Optional[str] = None):
         self.rank, self.scaling, self.dropout = rank, scaling, dropout
         self.modules, self.train_patterns = modules, train_patterns
+        #: --lora-train-new-rows: the name of the embedding whose added rows train
+        self.new_rows = new_rows
 
 
 class LoraLinear(nn.Linear):
@@ -65,10 +67,15 @@ def matches(path: str, name: str) -> bool:
     return path == name or path.endswith("." + name)
 
 
+#: the shared embedding whose added rows --lora-train-new-rows trains
+EMBEDDING = "encoder.embed_tokens.weight"
+
+
 def adapt(model: nn.Module, rank: int, scaling: float, dropout: float, names: list[str],
-          train_patterns: Iterable[str] = ()) -> LoraSpec:
+          train_patterns: Iterable[str] = (), new_rows: bool = False) -> LoraSpec:
     """Give every ``nn.Linear`` whose path ends with one of ``names`` adapters, freeze every
-    other parameter except those whose names match a ``train_patterns`` regular expression.
+    other parameter except those whose names match a ``train_patterns`` regular expression
+    (and, ``new_rows``, the shared embedding, whose pretrained rows the trainer keeps).
     OptionError (one line) for a name that matches no linear module."""
     linears = [(p, m) for p, m in model.named_modules() if type(m) is nn.Linear]
     for name in names:
@@ -90,9 +97,15 @@ def adapt(model: nn.Module, rank: int, scaling: float, dropout: float, names: li
                 isinstance(c, LoraLinear) for c in module.children()):
             module.skip_embed_dim_check = True  # fairseq's Python path (module docstring)
     patterns = [re.compile(p) for p in train_patterns]
-    for name, param in model.named_parameters():
-        param.requires_grad = is_adapter(name) or any(p.search(name) for p in patterns)
-    spec = LoraSpec(rank, scaling, dropout, adapted, list(train_patterns))
+    params = dict(model.named_parameters())
+    if new_rows and EMBEDDING not in params:
+        raise OptionError(f"--lora-train-new-rows: the model has no shared embedding "
+                          f"({EMBEDDING})")
+    for name, param in params.items():
+        param.requires_grad = is_adapter(name) or any(p.search(name) for p in patterns) or \
+            (new_rows and name == EMBEDDING)
+    spec = LoraSpec(rank, scaling, dropout, adapted, list(train_patterns),
+                    EMBEDDING if new_rows else None)
     setattr(model, SPEC_ATTRIBUTE, spec)
     return spec
 

@@ -19,7 +19,7 @@ import torch
 from fairseq import utils as fairseq_utils
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..checkpoint import async_save, sharded
 from ..checkpoint.export import read_full_model
@@ -85,6 +85,27 @@ class TrainerCheckpoints:
                 self._shards = sharded.save(self.model, optimizer, save_dir,
                                             self.get_num_updates(), extra)
 
+    def keep_pretrained_rows(self) -> None:
+        """--lora-train-new-rows: zero the gradient of the shared embedding's pretrained rows
+        (the first ``pretrained_rows``, recorded when the model was loaded or in the resumed
+        checkpoint) before the norm and the step: with no gradient, ever, Adam's moments of
+        those rows stay zero and so does their update (0 / (0 + eps)); SGD's too."""
+        spec = lora.spec_of(self.model)
+        rows = getattr(self, "_pretrained_rows", 0)
+        if spec is None or spec.new_rows is None or not rows:
+            return
+        weight = dict(self.model.named_parameters())[spec.new_rows]
+        if weight.grad is None:
+            return
+        if getattr(self, "_row_mask", None) is None:
+            mask = (torch.arange(weight.shape[0]) >= rows).unsqueeze(1)
+            if isinstance(weight.grad, DTensor):  # the rows of this rank's shard
+                mask = distribute_tensor(mask, weight.grad.device_mesh, weight.grad.placements,
+                                         src_data_rank=None).to_local()
+            self._row_mask = mask.to(weight.grad.device)
+        grad = weight.grad.to_local() if isinstance(weight.grad, DTensor) else weight.grad
+        grad.mul_(self._row_mask)
+
     @property
     def lora_base(self):
         """A LoRA run's frozen base in this save dir (relative), once written (or resumed
@@ -140,6 +161,8 @@ class TrainerCheckpoints:
                                              **({"loss_scaler": counts} if counts else {})}
         state["fsdp2"] = sharded.header(self.model, rel, self.data_parallel_world_size,
                                         self.lora_base)
+        if "lora" in state["fsdp2"]:
+            state["fsdp2"]["lora"]["pretrained_rows"] = getattr(self, "_pretrained_rows", 0)
         return python_numbers(state)  # fairseq keeps e.g. the best BLEU as a numpy scalar
 
     def load_checkpoint(self, filename, reset_optimizer=False, reset_lr_scheduler=False,
@@ -160,6 +183,8 @@ class TrainerCheckpoints:
             if info is not None:
                 shard_dir = sharded.resolve(filename, info["shards"])
                 saved = sharded.saved_shapes(sharded.read_metadata(shard_dir, filename))
+                if info.get("lora"):  # --lora-train-new-rows: where the added rows start
+                    self._pretrained_rows = info["lora"].get("pretrained_rows", 0)
                 if info.get("lora_base"):  # a LoRA checkpoint: its frozen base beside it
                     self._lora_base_dir = sharded.resolve(filename, info["lora_base"])
                     saved.update(sharded.saved_shapes(
@@ -264,6 +289,9 @@ class TrainerCheckpoints:
             except CheckpointError as e:  # told to every rank by the broadcast
                 problem = str(e)
         broadcast_full_model(self.model, full, filename, problem, skip=lora.is_adapter)
+        rows = [getattr(self, "_pretrained_rows", 0)]  # rank 0 read them: every rank's mask
+        torch.distributed.broadcast_object_list(rows, src=0)
+        self._pretrained_rows = rows[0]
         self._weights_loaded = True
         del full
         ranks = self._memory.gather({"before_gb": before,
@@ -287,6 +315,7 @@ class TrainerCheckpoints:
             full = read_full_model(filename)
             known = lambda: checkpoint_dictionary(  # noqa: E731
                 filename, read_checkpoint_file(filename).get("cfg"))
+        self._pretrained_rows = full[hf_nllb.FAIRSEQ_EMBEDDING[0]].shape[0]  # before growing
         full, grown = grow_embedding(
             full, shapes[hf_nllb.FAIRSEQ_EMBEDDING[0]][0], symbols, filename,
             new_lang_sources(getattr(self.cfg.distributed_training, "init_new_langs_from",

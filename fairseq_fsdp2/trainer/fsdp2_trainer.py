@@ -91,7 +91,7 @@ class FSDP2Trainer(TrainerEMA, TrainerCheckpoints, Trainer):
         dt = self.cfg.distributed_training
         if dt.lora_rank > 0:  # adapters on the linear modules, the rest frozen (models/lora.py)
             lora.adapt(model, dt.lora_rank, lora_scaling(dt), dt.lora_dropout, lora_modules(dt),
-                       lora_train_patterns(dt))
+                       lora_train_patterns(dt), bool(getattr(dt, "lora_train_new_rows", False)))
         if tied_grad_buffer_on(dt):  # before sharding: it changes the tied modules' classes
             tied_grad_buffer.install(model)
         # --encoder/--decoder-layerdrop: every rank skips the same layers (sharding/layerdrop.py)
@@ -156,6 +156,7 @@ class FSDP2Trainer(TrainerEMA, TrainerCheckpoints, Trainer):
         # The norm comes from optimizer/grad_norm.py (build_optimizer installs it under
         # fairseq's fp16 wrappers): the global norm over the DTensor gradients, whatever
         # fairseq's own helper would do (apex's local norms, --cpu-offload's CPU gradients).
+        self.keep_pretrained_rows()  # --lora-train-new-rows (checkpoint_hooks.py)
         try:
             norm = self.optimizer.clip_grad_norm(clip_norm)
         except OverflowError:

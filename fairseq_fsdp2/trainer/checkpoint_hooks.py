@@ -315,7 +315,8 @@ class TrainerCheckpoints:
             full = read_full_model(filename)
             known = lambda: checkpoint_dictionary(  # noqa: E731
                 filename, read_checkpoint_file(filename).get("cfg"))
-        self._pretrained_rows = full[hf_nllb.FAIRSEQ_EMBEDDING[0]].shape[0]  # before growing
+        embedding = hf_nllb.FAIRSEQ_EMBEDDING[0]  # its rows before growing
+        self._pretrained_rows = full[embedding].shape[0] if embedding in full else 0
         full, grown = grow_embedding(
             full, shapes[hf_nllb.FAIRSEQ_EMBEDDING[0]][0], symbols, filename,
             new_lang_sources(getattr(self.cfg.distributed_training, "init_new_langs_from",

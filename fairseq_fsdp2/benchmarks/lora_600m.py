@@ -107,8 +107,9 @@ def report(rows: dict, info: dict, meta: dict, work: Path, args) -> str:
         f"memory settings (FSDP2 per-layer, `--fsdp2-root-reshard always`, the chunked loss of "
         f"{RECIPE_CHUNK} tokens, the tied-gradient buffer), `--bf16`, Adam, `--max-tokens "
         f"{meta['max_tokens']}` per rank, {meta['updates']} updates from a random "
-        f"initialisation, `--log-interval 1000`, the settings run one after the other in one "
-        f"run. Peak: GNU time's maximum resident set of each rank's process "
+        f"initialisation or from a bf16 stock checkpoint of it (`--finetune-from-model`), "
+        f"`--log-interval 1000`, the settings run one after the other in one run (the load "
+        f"average beside each: other work shared the machine). Peak: GNU time's maximum resident set of each rank's process "
         f"(`/usr/bin/time -f %M`). Predicted: `python -m fairseq_fsdp2.estimate` with the same "
         f"command line, `--world-size {meta['ranks']} --seq-len {SEQ}`. Words per second: "
         f"fairseq's end-of-epoch `train_wps` (both updates).", "",

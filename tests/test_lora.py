@@ -49,7 +49,7 @@ def runs(corpus, tmp_path_factory):
     out["resumed3"] = ok(run_ranks(3, lambda r: args(root / "r3", *restore, "--update-freq", 2)))
     out["bf16"] = ok(run_ranks(2, lambda r: args(
         root / "bf16", "--finetune-from-model", base, *LORA, "--bf16", "--lora-train-params",
-        "layer_norm", "--max-update", 2)))
+        "layer_norm", "--max-update", 2, "--store-ema", "--ema-decay", "0.5")))
     return out
 
 
@@ -135,6 +135,18 @@ def test_only_adapters_train_and_the_frozen_base_stays_bit_for_bit(runs):
     assert all(tensors[k].dtype == torch.float32 for k in start)
     assert "LoRA rank 4: 32 linear modules adapted, 9,216 adapter parameters" in runs["bf16"]
     assert "768 more trained in full" in runs["bf16"]
+    # its export: the model and its EMA (--store-ema) merged, in float32 (the frozen 16-bit
+    # tensors widened exactly), no adapters: what stock fairseq reads
+    export = torch.load(runs["root"] / "bf16" / "checkpoint_last_consolidated.pt",
+                        weights_only=True)
+    for weights in (export["model"], export["extra_state"]["ema"]):
+        assert set(weights) == set(base)
+        assert all(v.dtype == torch.float32 for v in weights.values() if v.is_floating_point())
+    for key, value in base.items():  # frozen and not adapted: the base, widened from bf16
+        if "layer_norm" not in key and not key.endswith(("proj.weight", "fc1.weight",
+                                                         "fc2.weight")) and \
+                value.is_floating_point():
+            assert torch.equal(export["model"][key], value.to(torch.bfloat16).float()), key
 
 
 def test_two_ranks_train_as_one_with_the_same_global_batch(runs):

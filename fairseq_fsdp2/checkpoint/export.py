@@ -205,7 +205,10 @@ def full_ema(checkpoint: str, state: dict) -> dict | None:
     from the shards of an FSDP2 checkpoint, as stored in a stock one."""
     ema = (state.get("extra_state") or {}).get(EMA_KEY)
     if sharded.is_sharded(ema):
-        return full_tensors(checkpoint, state, EMA_KEY)
+        tensors = full_tensors(checkpoint, state, EMA_KEY)
+        info = state.get("fsdp2") or {}
+        # a LoRA run's EMA holds adapters (and the frozen base): merged as the model is
+        return lora.merged(tensors, info["lora"]["scaling"]) if info.get("lora") else tensors
     return ema if isinstance(ema, dict) and ema else None
 
 

@@ -136,19 +136,25 @@ def initial_adapters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
 
 def merged(full: dict, scaling: float) -> dict:
     """A full state dict with adapters -> the base's keys only, each adapted weight merged:
-    W + scaling x B A, computed in float64 and stored in the weight's dtype, or float32 if
-    that is 16-bit (a frozen 16-bit base plus an fp32 delta: the sum is not a 16-bit number)."""
-    out = {}
+    W + scaling x B A, computed in float64 and stored in float32 (or float64, if the weight
+    is); the frozen 16-bit tensors of a --fp16/--bf16 run become float32 too (exactly), so the
+    export is one dtype, as a stock float32 checkpoint. A tied weight stays one tensor."""
+    out, cast = {}, {}
+
+    def widened(value):
+        if value.dtype not in (torch.float16, torch.bfloat16):
+            return value
+        return cast.setdefault(id(value), value.float())
+
     for key, value in full.items():
         if is_adapter(key):
             continue
         base = key[:-len(".weight")] if key.endswith(".weight") else None
         if base is not None and f"{base}.{LORA_A}" in full:
             a, b = full[f"{base}.{LORA_A}"], full[f"{base}.{LORA_B}"]
-            dtype = torch.float32 if value.dtype in (torch.float16, torch.bfloat16) \
-                else value.dtype
+            dtype = torch.float64 if value.dtype == torch.float64 else torch.float32
             value = (value.double() + scaling * (b.double() @ a.double())).to(dtype)
-        out[key] = value
+        out[key] = widened(value)
     return out
 
 

@@ -4,6 +4,7 @@ hf``, a Hugging Face NLLB model directory).
 
     python -m fairseq_fsdp2.consolidate CHECKPOINT OUT.pt
     python -m fairseq_fsdp2.consolidate --ema CHECKPOINT OUT.pt   # its EMA as the model
+    python -m fairseq_fsdp2.consolidate --format peft CHECKPOINT OUT_DIR   # LoRA's adapters
 
 The export itself: checkpoint/export.py.
 """
@@ -25,11 +26,15 @@ def main(argv=None) -> int:
                         "legacy FSDP's NAME-shard0.pt (or NAME.pt) from --use-sharded-state")
     parser.add_argument("out", help="the consolidated .pt file to write (with --format hf: the "
                         "model directory to write; it must not exist or be empty)")
-    parser.add_argument("--format", choices=("fairseq", "hf"), default="fairseq",
+    parser.add_argument("--format", choices=("fairseq", "hf", "peft"), default="fairseq",
                         help="fairseq: one stock fairseq checkpoint file; hf: a Hugging Face "
                         "NLLB model directory (config.json, model.safetensors, and the "
                         "tokenizer files of DATA/hf_tokenizer when the data has them) that "
-                        "transformers' M2M100ForConditionalGeneration.from_pretrained loads")
+                        "transformers' M2M100ForConditionalGeneration.from_pretrained loads "
+                        "(a LoRA checkpoint: its adapters merged); peft: a --lora-rank "
+                        "checkpoint's adapters as a PEFT adapter directory (adapter_config.json, "
+                        "adapter_model.safetensors) for peft.PeftModel.from_pretrained on the "
+                        "base model in Hugging Face format")
     parser.add_argument("--ema", action="store_true",
                         help="export the EMA of a --store-ema run as the model (fairseq or "
                         "--format hf); CHECKPOINT may also be a stock fairseq checkpoint with one")

@@ -25,6 +25,9 @@ SERVED_BACKENDS = (FSDP2_BACKEND, LEGACY_FSDP_BACKEND)
 DDP_BACKEND_WITH_FSDP2 = ChoiceEnum([c.value for c in DDP_BACKEND_CHOICES] + [FSDP2_BACKEND])
 ROOT_RESHARD_CHOICES = ChoiceEnum(["default", "always"])
 REDUCE_DTYPE_CHOICES = ChoiceEnum(["fp32", "fp16", "bf16"])
+#: --lora-modules' default: PEFT's names for NLLB's (M2M100's) attention and feed-forward
+LORA_MODULE_NAMES = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
+DEFAULT_LORA_MODULES = ",".join(LORA_MODULE_NAMES)
 
 
 @dataclass
@@ -133,6 +136,50 @@ class FSDP2DistributedTrainingConfig(DistributedTrainingConfig):
                           "bytes per parameter element more)"},
     )
 
+    # -- LoRA (docs/lora.md): a group of its own, at the end -----------------------------------
+    lora_rank: int = field(
+        default=0,
+        metadata={"help": "FSDP2: fine-tune with low-rank adapters (LoRA) of this rank; 0 (the "
+                          "default): off. The base weights are frozen and kept in the compute "
+                          "dtype (16 bits with --fp16/--bf16), with no gradient and no "
+                          "optimizer state; only the adapters (and --lora-train-params) train"},
+    )
+    lora_alpha: Optional[float] = field(
+        default=None,
+        metadata={"help": "FSDP2, --lora-rank: the adapters' scaling is alpha / rank, as in "
+                          "PEFT; default: the rank (scaling 1)"},
+    )
+    lora_dropout: float = field(
+        default=0.0,
+        metadata={"help": "FSDP2, --lora-rank: dropout on the adapters' input (PEFT's "
+                          "lora_dropout)"},
+    )
+    lora_modules: str = field(
+        default=DEFAULT_LORA_MODULES,
+        metadata={"help": "FSDP2, --lora-rank: the linear modules given adapters, by name "
+                          "(PEFT's target_modules): a comma-separated list of module names or "
+                          "dotted path ends, e.g. q_proj,v_proj or encoder_attn.q_proj; "
+                          "default: the attention q/k/v/out projections and fc1/fc2 of every "
+                          "encoder and decoder layer"},
+    )
+    lora_train_params: Optional[str] = field(
+        default=None,
+        metadata={"help": "FSDP2, --lora-rank: parameters kept trainable in full beside the "
+                          "adapters (fp32, with optimizer state): comma-separated regular "
+                          "expressions searched in parameter names, e.g. layer_norm or "
+                          "embed_tokens (the shared embedding, for languages added with "
+                          "--init-new-langs-from)"},
+    )
+    lora_train_new_rows: bool = field(
+        default=False,
+        metadata={"help": "FSDP2, --lora-rank: train the shared embedding's rows that the "
+                          "dictionary adds to the pretrained model's (new languages and pieces, "
+                          "--init-new-langs-from) beside the adapters; the pretrained rows keep "
+                          "their values bit for bit (their gradient is zeroed before the "
+                          "optimizer step; the embedding then has fp32 weights and optimizer "
+                          "state). Not with --weight-decay, which would move them"},
+    )
+
 
 #: the plugin's own keys of the distributed_training group (stock fairseq has none of them)
 PLUGIN_OPTIONS = frozenset(FSDP2DistributedTrainingConfig.__dataclass_fields__) - frozenset(
@@ -215,6 +262,7 @@ def validate(dt: FSDP2DistributedTrainingConfig, *, min_params_to_wrap: int, fp1
                               f"got --optimizer {optimizer}")
     check_reduce_dtype(str(getattr(dt, "fsdp2_reduce_dtype", "fp32")), fp16=fp16, bf16=bf16)
     new_lang_sources(getattr(dt, "init_new_langs_from", None))
+    check_lora(dt)
     breakdown = dt.fsdp2_memory_breakdown
     if breakdown < 0:
         raise OptionError(f"--fsdp2-memory-breakdown must be >= 0 (an update number; 0: off), "
@@ -235,3 +283,60 @@ def check_reduce_dtype(reduce_dtype: str, *, fp16: bool, bf16: bool) -> None:
         raise OptionError(f"--fsdp2-reduce-dtype {reduce_dtype} needs "
                           f"{REDUCE_DTYPE_NEEDS[reduce_dtype]}: gradients are reduced in fp32 "
                           f"or in the compute dtype, here {compute}")
+
+
+_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
+
+
+def lora_modules(dt) -> list[str]:
+    """--lora-modules as a list of names (dotted path ends)."""
+    return [n.strip() for n in str(getattr(dt, "lora_modules", DEFAULT_LORA_MODULES)
+                                   or "").split(",") if n.strip()]
+
+
+def lora_train_patterns(dt) -> list[str]:
+    """--lora-train-params as a list of regular expressions."""
+    return [p.strip() for p in str(getattr(dt, "lora_train_params", None) or "").split(",")
+            if p.strip()]
+
+
+def lora_scaling(dt) -> float:
+    """alpha / rank (alpha defaults to the rank)."""
+    rank = int(getattr(dt, "lora_rank", 0) or 0)
+    alpha = getattr(dt, "lora_alpha", None)
+    return (rank if alpha is None else float(alpha)) / rank
+
+
+def check_lora(dt) -> None:
+    """The LoRA options against each other (OptionError, one line)."""
+    rank = int(getattr(dt, "lora_rank", 0) or 0)
+    if rank < 0:
+        raise OptionError(f"--lora-rank must be >= 0 (0: off), got {rank}")
+    given = [flag for flag, on in (
+        ("--lora-alpha", getattr(dt, "lora_alpha", None) is not None),
+        ("--lora-dropout", float(getattr(dt, "lora_dropout", 0.0) or 0.0) != 0.0),
+        ("--lora-modules", str(getattr(dt, "lora_modules", DEFAULT_LORA_MODULES))
+         != DEFAULT_LORA_MODULES),
+        ("--lora-train-params", bool(getattr(dt, "lora_train_params", None))),
+        ("--lora-train-new-rows", bool(getattr(dt, "lora_train_new_rows", False)))) if on]
+    if rank == 0:
+        if given:
+            raise OptionError(f"{given[0]} needs --lora-rank R > 0 (LoRA is off)")
+        return
+    alpha = getattr(dt, "lora_alpha", None)
+    if alpha is not None and not float(alpha) > 0:
+        raise OptionError(f"--lora-alpha must be > 0, got {alpha:g}")
+    dropout = float(getattr(dt, "lora_dropout", 0.0) or 0.0)
+    if not 0.0 <= dropout < 1.0:
+        raise OptionError(f"--lora-dropout must be >= 0 and < 1, got {dropout:g}")
+    names = lora_modules(dt)
+    bad = [n for n in names if not _MODULE_NAME.match(n)]
+    if not names or bad:
+        raise OptionError(f"--lora-modules: {bad[0] if bad else dt.lora_modules!r} is not a "
+                          f"module name (expected names like {DEFAULT_LORA_MODULES})")
+    for pattern in lora_train_patterns(dt):
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise OptionError(f"--lora-train-params: {pattern!r} is not a regular expression "
+                              f"({e})") from None

@@ -64,7 +64,7 @@ LONGEST_FIRST = [
     "test_backend.py", "test_fairseq_compat.py", "test_fairseq_validation.py", "test_estimate.py",
     "test_faults.py", "test_checkpoints.py", "test_ema.py", "test_launchers.py",
     "test_nllb_finetune.py",
-    "test_bad_input.py", "test_chunked_loss.py", "test_hf_add_langs.py", "test_prepare_data.py",
+    "test_bad_input.py", "test_lora.py", "test_chunked_loss.py", "test_hf_add_langs.py", "test_prepare_data.py",
     "test_hf_nllb.py", "test_end_of_run.py", "test_legacy_fairscale.py",
     "test_grown_embedding.py", "test_memory_breakdown.py", "test_add_langs.py",
 ]

@@ -45,6 +45,11 @@ def files(corpus, tmp_path_factory):
                                       *FSDP2, "--max-update", "2", "--save-dir", save])
     assert results[0].returncode == 0, results[0].output[-3000:]
     good = save / "checkpoint_last.pt"
+    lora_save = root / "lora"  # a LoRA checkpoint (1 update)
+    results = run_ranks(1, lambda r: [corpus, "--user-dir", PLUGIN, *TINY_MODEL, *TRAINING,
+                                      *FSDP2, "--max-update", "1", "--save-dir", lora_save,
+                                      "--lora-rank", "4", "--fsdp2-no-consolidate"])
+    assert results[0].returncode == 0, results[0].output[-3000:]
     shards = save / torch.load(good, weights_only=True)["fsdp2"]["shards"]
     missing_shard = root / "missing-shard"
     missing_shard.mkdir()
@@ -93,7 +98,8 @@ def files(corpus, tmp_path_factory):
             "hf": hf, "hf_bart": bart, "no_model": root / "no-model",
             "plain_file": plain_file, "corpus": corpus,
             "short_shard": short_shard / "checkpoint_last.pt", "short_shard_file": shard,
-            "wider": wider, "narrow": narrow, "narrow_dict": narrow.parent / "dict.txt"}
+            "wider": wider, "narrow": narrow, "narrow_dict": narrow.parent / "dict.txt",
+            "lora": lora_save / "checkpoint_last.pt"}
 
 
 # docs/errors.md row -> cases: (ranks (0: one process, not under torchrun), extra flags (may name
@@ -153,6 +159,36 @@ CATALOGUE = {
          f"{flag} needs --ddp-backend fsdp2: --ddp-backend legacy_ddp would ignore it")
         for flag, value in [("--bf16-adam-stats", []), ("--eight-bit-adam-stats", []),
                             ("--init-new-langs-from", ["eng_Latn"])]],
+    "`--lora-rank -1`, `--lora-alpha 0`, `--lora-dropout 1`, or a LoRA option without "
+    "`--lora-rank`": [
+        (1, ["--lora-rank", "-1"], "--lora-rank must be >= 0 (0: off), got -1"),
+        (1, ["--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha must be > 0, got 0"),
+        (1, ["--lora-rank", "4", "--lora-dropout", "1"],
+         "--lora-dropout must be >= 0 and < 1, got 1"),
+        (1, ["--lora-alpha", "8"], "--lora-alpha needs --lora-rank R > 0 (LoRA is off)"),
+        (1, ["--lora-train-params", "layer_norm"],
+         "--lora-train-params needs --lora-rank R > 0 (LoRA is off)")],
+    "`--lora-modules` naming no linear module of the model, or `--lora-train-params` that is "
+    "not a regular expression": [
+        (1, ["--lora-rank", "4", "--lora-modules", "q_prj"], "--lora-modules q_prj: no linear "
+         "module of the model is named so (its linear modules: fc1, fc2, k_proj, out_proj, "
+         "output_projection, q_proj, v_proj)"),
+        (1, ["--lora-rank", "4", "--lora-train-params", "("], "--lora-train-params: '(' is not "
+         "a regular expression (missing ), unterminated subpattern at position 0)")],
+    "`--lora-train-new-rows` with `--weight-decay`": [
+        (1, ["--lora-rank", "4", "--lora-train-new-rows", "--weight-decay", "0.01"],
+         "--lora-train-new-rows keeps the pretrained rows as they are, which --weight-decay "
+         "0.01 would shrink: choose one")],
+    "`--lora-rank` with another backend (`--ddp-backend legacy_ddp`, ...)": [
+        (1, ["--lora-rank", "4", "--ddp-backend", "legacy_ddp"],
+         "--lora-rank needs --ddp-backend fsdp2: --ddp-backend legacy_ddp would ignore it")],
+    "`--lora-rank` resuming (`--restore-file`) a checkpoint trained without it, or a LoRA "
+    "checkpoint resumed without it": [
+        (1, ["--lora-rank", "4", "--restore-file", "{good}"],
+         "{good} was not trained with --lora-rank: start LoRA from it with "
+         "--finetune-from-model"),
+        (1, ["--restore-file", "{lora}"], "{lora} was trained with --lora-rank 4: resume it "
+         "with --lora-rank 4, or start from its merged weights with --finetune-from-model")],
     "`--ema-seed-model` that does not exist or holds no EMA": [
         (1, ["--store-ema", "--ema-seed-model", "{absent}"],
          "--ema-seed-model not found: {absent}"),

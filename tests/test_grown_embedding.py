@@ -116,7 +116,10 @@ def grown(tmp_path_factory):
     runs = {"stock": start_ranks(3, lambda r: train_args(
                 data, root / "stock", root / "grown.pt", *STOCK_DDP,
                 "--distributed-world-size", 3, "--distributed-rank", r)),
-            "loaded": fsdp2(data, root / "loaded", sharded, 2, *INIT, lr=0)}
+            "loaded": fsdp2(data, root / "loaded", sharded, 2, *INIT, lr=0),
+            # LoRA adding the language: adapters and the new rows train (docs/lora.md)
+            "lora": fsdp2(data, root / "lora", consolidated, 2, *INIT, "--lora-rank", 4,
+                          "--lora-train-new-rows")}
     for world in WORLDS:
         runs[world] = fsdp2(data, root / f"fsdp2_{world}", consolidated, world, *INIT)
     outputs = {name: ok(finish_ranks(procs, timeout=600)) for name, procs in runs.items()}
@@ -247,3 +250,18 @@ def test_every_rows_shard_trains_as_stock_legacy_ddp(grown, f64_terms, world):
     print(f"{world} ranks: largest |fsdp2 - stock| / tolerance = {worst:.3g}")
     assert ((ours - stock).abs() <= tol).all(), worst
     assert ((stock - initial).abs() > tol).any(1).all()  # the stock run moved every row too
+
+
+def test_lora_trains_the_new_rows_and_keeps_the_pretrained_ones_bit_for_bit(grown):
+    """--lora-rank 4 --lora-train-new-rows from the pretrained model (one SGD update, 2 ranks):
+    the pretrained rows and every other pretrained weight are the loaded ones bit for bit (the
+    merged export: the adapters are merged into the linear weights, which therefore move), the
+    new rows moved (they received gradients: the new words occur in the batch, and every row
+    takes part in the output projection's softmax)."""
+    out = grown.outputs["lora"]
+    assert "LoRA rank 4" in out and f"{ROWS * 32:,} more trained in full" in out, out[-3000:]
+    result = fsdp2_result(grown, "lora")
+    assert torch.equal(result[:OLD_ROWS], grown.initial[:OLD_ROWS])
+    assert all(not torch.equal(result[r], grown.initial[r]) for r in range(OLD_ROWS, ROWS))
+    saved = torch.load(grown.root / "lora" / "checkpoint_last.pt", weights_only=True)
+    assert saved["fsdp2"]["lora"]["pretrained_rows"] == OLD_ROWS

@@ -21,6 +21,7 @@ from launcher import base_env, ok, run_command, run_ranks
 
 from fairseq_fsdp2.data import numbers
 from fairseq_fsdp2.launch import nllb_recipe
+from fairseq_fsdp2.options import DEFAULT_LORA_MODULES
 from fairseq_fsdp2.data.prepare import prepare
 
 SCRIPT = REPO / "scripts" / "finetune_nllb.sh"
@@ -153,14 +154,16 @@ def test_two_rank_cpu_finetune_and_stock_generate(data, tmp_path):
     assert "fairseq_fsdp2" not in gen.output
     assert len(re.findall(r"^H-\d+\t", gen.output, re.M)) == N_TEST
 
-    # and fine-tuning from it (--pretrained: --finetune-from-model) starts where it ended.
+    # and fine-tuning from it (--pretrained: --finetune-from-model) with LoRA (--lora-rank:
+    # the adapters start at zero, so the model is the pretrained one) starts where it ended.
     # The script's command (--dry-run prints it; the run above showed the script launching
     # its command), run on 2 ranks forked from the test server: the torchrun launch itself
     # needs no second proof, and each fresh interpreter costs seconds
     proc = run_script("--data", data, "--model-size", "tiny", "--cpu", "--nproc", 2,
                       "--save-dir", tmp_path / "finetuned", "--pretrained", consolidated,
                       "--max-update", 2, "--max-tokens", 2000, "--lr", "1e-4", "--speed",
-                      "--log-interval", 1, "--dry-run", "--", "--log-format", "json",
+                      "--log-interval", 1, "--lora-rank", 4, "--dry-run", "--",
+                      "--log-format", "json",
                       "--no-save")
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     cmd = shlex.split(proc.stdout)
@@ -170,10 +173,12 @@ def test_two_rank_cpu_finetune_and_stock_generate(data, tmp_path):
     flags = cmd[5:]
     assert flags[flags.index("--finetune-from-model") + 1] == str(consolidated), flags
     assert flags[flags.index("--fsdp2-root-reshard") + 1] == "default", flags  # --speed
+    assert flags[flags.index("--lora-rank") + 1] == "4", flags
     assert not (tmp_path / "finetuned").exists()  # nothing launched
     output = ok(run_ranks(2, lambda rank: flags))
     assert plan_rows(output)["root"].startswith("False")
     assert "loaded pretrained weights" in output
+    assert "LoRA rank 4: 32 linear modules adapted" in output
     first = float(json_records(output, "train_inner")[0]["loss"])
     assert first < losses[0] - 1.0, (first, losses)
 
@@ -244,6 +249,8 @@ def test_hydra_configs_match_the_command_line(data):
         # the recipe's memory settings (scripts/finetune_nllb.sh's defaults)
         assert (dt.ddp_backend, dt.fsdp2_root_reshard) == ("fsdp2", "always"), name
         assert not dt.fsdp2_no_tied_grad_buffer, name
+        if name != "nllb_tiny_demo":  # LoRA's keys, off (docs/lora.md)
+            assert (dt.lora_rank, dt.lora_modules) == (0, DEFAULT_LORA_MODULES), name
         assert cfg.criterion._name == "label_smoothed_cross_entropy_chunked", name
         assert cfg.criterion.loss_chunk_tokens == 256, name
         assert cfg.criterion.label_smoothing == 0.1 and cfg.lr_scheduler._name == "inverse_sqrt"

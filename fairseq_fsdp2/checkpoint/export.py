@@ -20,9 +20,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ..errors import CheckpointError, no_space_left
+from ..models import lora
 from ..models.nllb import NLLB_SIZES
 from ..options import PLUGIN_OPTIONS
-from ..hf import nllb_weights as hf_nllb
+from ..hf import lora_adapter, nllb_weights as hf_nllb
 from ..hf.tokenizer_files import DATA_SUBDIR as TOKENIZER_SUBDIR
 from . import legacy_fairscale, sharded
 from .safe_load import read_checkpoint_file
@@ -46,6 +47,8 @@ def consolidate(checkpoint: str, out: str, data: str | None = None,
     --store-ema run is written where fairseq keeps it (extra_state); ``ema``: the EMA's weights
     are the exported model instead (``checkpoint`` may then be a stock fairseq checkpoint
     too)."""
+    if out_format == "peft":
+        return peft_adapter(checkpoint, out)
     legacy = legacy_fairscale.shard_files(checkpoint)
     if legacy and ema:
         raise CheckpointError("--ema: legacy FSDP shards hold no EMA the plugin can read")
@@ -133,7 +136,40 @@ def read_full_model(checkpoint: str) -> dict:
 
 
 def _fsdp2_model(checkpoint: str, state: dict) -> dict:
-    return full_tensors(checkpoint, state, "model")
+    """The full weights of an FSDP2 checkpoint; of a LoRA one the adapters merged into the
+    base's weights (models/lora.py), so that stock fairseq reads them."""
+    info = state.get("fsdp2") or {}
+    if not info.get("lora_base"):
+        return full_tensors(checkpoint, state, "model")
+    return lora.merged(lora_tensors(checkpoint, state), info["lora"]["scaling"])
+
+
+def peft_adapter(checkpoint: str, out: str) -> str:
+    """A LoRA checkpoint's adapters as a PEFT adapter directory (hf/lora_adapter.py)."""
+    state = read_checkpoint_file(checkpoint)
+    info = state.get("fsdp2") if isinstance(state.get("fsdp2"), dict) else {}
+    if not info.get("lora_base"):
+        raise CheckpointError(f"{checkpoint} was not trained with --lora-rank: it has no "
+                              f"adapters to export (--format peft)")
+    tensors = lora_tensors(checkpoint, state)
+    metadata = sharded.read_metadata(sharded.resolve(checkpoint, info["shards"]), checkpoint)
+    trained = sorted(k[len("model."):] for k, md in metadata.state_dict_metadata.items()
+                     if k.startswith("model.") and hasattr(md, "size") and
+                     not lora.is_adapter(k) and torch.Size(md.size).numel() > 1)
+    return lora_adapter.export(tensors, info["lora"], trained, out)
+
+
+def lora_tensors(checkpoint: str, state: dict) -> dict:
+    """A LoRA checkpoint's full tensors, unmerged: the frozen base (its own directory) and
+    what trained (the adapters, --lora-train-params)."""
+    info = state["fsdp2"]
+    base = full_tensors(checkpoint, {"fsdp2": {**info, "shards": info["lora_base"],
+                                               "aliases": {}}}, "model")
+    trained = full_tensors(checkpoint, {"fsdp2": {**info, "aliases": {}}}, "model")
+    tensors = {**base, **trained}
+    for alias, canonical in info["aliases"].items():
+        tensors[alias] = tensors[canonical]
+    return tensors
 
 
 def full_tensors(checkpoint: str, state: dict, entry: str) -> dict:
@@ -169,7 +205,10 @@ def full_ema(checkpoint: str, state: dict) -> dict | None:
     from the shards of an FSDP2 checkpoint, as stored in a stock one."""
     ema = (state.get("extra_state") or {}).get(EMA_KEY)
     if sharded.is_sharded(ema):
-        return full_tensors(checkpoint, state, EMA_KEY)
+        tensors = full_tensors(checkpoint, state, EMA_KEY)
+        info = state.get("fsdp2") or {}
+        # a LoRA run's EMA holds adapters (and the frozen base): merged as the model is
+        return lora.merged(tensors, info["lora"]["scaling"]) if info.get("lora") else tensors
     return ema if isinstance(ema, dict) and ema else None
 
 

@@ -47,15 +47,16 @@ def _shard_state(optimizer, state_dict):
 
 
 def broadcast_full_model(model: torch.nn.Module, full: Optional[Mapping], describe: str,
-                         problem: Optional[str] = None) -> None:
+                         problem: Optional[str] = None, skip=lambda key: False) -> None:
     """Fill a sharded model from a full state dict held by rank 0 only (``full`` is None on
     the other ranks), one tensor at a time: each rank receives the tensor, keeps its shard
     and frees the rest, so no rank but 0 ever holds the full model. ``full`` may be any
     mapping, e.g. lazy views of a memory-mapped file. ``describe`` names the source in
-    errors; ``problem``: rank 0 could not read it (raised on every rank)."""
+    errors; ``problem``: rank 0 could not read it (raised on every rank); ``skip``: keys of the
+    model the source does not hold and that are left as they are (LoRA's adapters)."""
     own, seen = {}, set()
     for key, target in model.state_dict(keep_vars=True).items():  # persistent state only
-        if id(target) not in seen:  # a tied weight once, under its first name
+        if id(target) not in seen and not skip(key):  # a tied weight once, by its first name
             seen.add(id(target))
             own[key] = target
     problem = [problem]

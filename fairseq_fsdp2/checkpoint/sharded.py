@@ -12,6 +12,11 @@ the small file to ``.tmp`` and renames it, so a kill at any point leaves the pre
 of that name intact. DCP reshards on load, so a checkpoint saved at N ranks resumes at M.
 With --write-checkpoints-asynchronously the same directories are written in the background
 (async_save.py).
+
+LoRA (``--lora-rank``, models/lora.py): a save's directory holds what trains (the adapters,
+--lora-train-params, buffers) and its optimizer state; the frozen base is written once per save
+dir, to ``fsdp2_shards/lora-base-<token>`` (in its stored dtype: 16 bits with --fp16/--bf16),
+which every checkpoint file's header names (``lora_base``) beside its own shards.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict)
 
 from ..errors import CheckpointError
+from ..models import lora
 from ..optimizer.fit_saved_state import fit_to_saved
 from .safe_load import read_checkpoint_file
 
@@ -103,7 +109,7 @@ def state_to_save(model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
     """What the shards hold: this rank's model state (each tied weight once), unless
     ``optimizer`` is None its optimizer state, and the ``extra`` entries (the EMA's); the
     tensors are the live ones, not copies."""
-    state = {"model": _canonical_state(model)}
+    state = {"model": _canonical_state(model, "trained")}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     state.update(extra or {})
@@ -117,18 +123,52 @@ def aliases(model: nn.Module) -> dict[str, str]:
             if canonical[id(p)] != k}
 
 
-def _canonical_state(model: nn.Module) -> dict:
+def _canonical_state(model: nn.Module, part: str = "all") -> dict:
     """The model's (sharded) state dict with each tied weight once: torch's state dict holds
-    it under every alias, and DCP would write each."""
+    it under every alias, and DCP would write each. ``part``: "all"; of a LoRA model,
+    "frozen" (its frozen parameters) or "trained" (the rest: adapters, trained parameters,
+    buffers); of another model "trained" is all and "frozen" nothing."""
     other_names = aliases(model)
-    return {k: v for k, v in get_model_state_dict(model).items() if k not in other_names}
+    frozen = frozen_names(model)
+    keep = {"all": lambda k: True, "frozen": lambda k: k in frozen,
+            "trained": lambda k: k not in frozen}[part]
+    return {k: v for k, v in get_model_state_dict(model).items()
+            if k not in other_names and keep(k)}
 
 
-def header(model: nn.Module, shards: str, world_size: int) -> dict:
+def frozen_names(model: nn.Module) -> set[str]:
+    """The names of a LoRA model's frozen parameters (empty for another model)."""
+    if lora.spec_of(model) is None:
+        return set()
+    return {k for k, p in model.named_parameters() if not p.requires_grad}
+
+
+def save_base(model: nn.Module, save_dir: str) -> str:
+    """Every rank: write a LoRA model's frozen parameters (their shards) to a new directory,
+    once per save dir; returns it relative to save_dir."""
+    rel = os.path.join(SHARDS_DIR, "lora-base-" + os.path.basename(new_shard_dir(0)))
+    final = os.path.join(save_dir, rel)
+    dcp.save({"model": _canonical_state(model, "frozen")}, checkpoint_id=final + ".tmp")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.rename(final + ".tmp", final)
+    dist.barrier()
+    return rel
+
+
+def header(model: nn.Module, shards: str, world_size: int,
+           lora_base: Optional[str] = None) -> dict:
     """What the small file records about the shards, including the tied-weight aliases that
-    the shards do not hold (fairseq's format lists every alias)."""
-    return {"version": FORMAT_VERSION, "shards": shards, "world_size": world_size,
+    the shards do not hold (fairseq's format lists every alias), and of a LoRA model its
+    adapters' settings and the directory of its frozen base."""
+    info = {"version": FORMAT_VERSION, "shards": shards, "world_size": world_size,
             "aliases": aliases(model)}
+    spec = lora.spec_of(model)
+    if spec is not None:
+        info["lora"] = {"rank": spec.rank, "scaling": spec.scaling, "dropout": spec.dropout,
+                        "modules": list(spec.modules)}
+        info["lora_base"] = lora_base
+    return info
 
 
 def resolve(checkpoint_file: str, rel: str) -> str:
@@ -188,11 +228,15 @@ def check_model_matches(model: nn.Module, saved: dict, checkpoint_file: str) -> 
         raise CheckpointError(f"{checkpoint_file} does not fit this model: {shown}")
 
 
-def load_model(model: nn.Module, shard_dir: str) -> None:
+def load_model(model: nn.Module, shard_dir: str, base_dir: Optional[str] = None) -> None:
     """Load this rank's model shards in place (DCP reshards across world sizes); a tied weight
-    is read once, under its canonical name (version 1 shards hold the aliases too: not read)."""
-    state = {"model": _canonical_state(model)}
-    dcp.load(state, checkpoint_id=shard_dir)
+    is read once, under its canonical name (version 1 shards hold the aliases too: not read).
+    ``base_dir``: a LoRA checkpoint's frozen base (save_base), the rest from ``shard_dir``."""
+    if base_dir is None:
+        dcp.load({"model": _canonical_state(model)}, checkpoint_id=shard_dir)
+        return
+    dcp.load({"model": _canonical_state(model, "frozen")}, checkpoint_id=base_dir)
+    dcp.load({"model": _canonical_state(model, "trained")}, checkpoint_id=shard_dir)
 
 
 def load_entry(name: str, tensors: dict, shard_dir: str) -> None:
@@ -223,6 +267,8 @@ def referenced_dirs(save_dir: str) -> set[str]:
                 continue
             if isinstance(state.get("fsdp2"), dict):
                 found.add(state["fsdp2"]["shards"])
+                if state["fsdp2"].get("lora_base"):
+                    found.add(state["fsdp2"]["lora_base"])
     return found
 
 
@@ -247,6 +293,8 @@ def is_complete(checkpoint_file: str) -> bool:
     try:
         state = read_checkpoint_file(checkpoint_file)
         read_metadata(resolve(checkpoint_file, state["fsdp2"]["shards"]), checkpoint_file)
+        if state["fsdp2"].get("lora_base"):
+            read_metadata(resolve(checkpoint_file, state["fsdp2"]["lora_base"]), checkpoint_file)
     except (CheckpointError, KeyError, TypeError):  # unreadable, not ours, shards missing
         return False
     return True

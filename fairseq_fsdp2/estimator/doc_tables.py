@@ -36,6 +36,8 @@ STATS16 = ("--fp16-adam-stats",)
 #: ... in 8 bits (optimizer/blockwise_8bit.py), with the gradients reduce-scattered in fp16
 STATS8 = ("--eight-bit-adam-stats",)
 REDUCE16 = ("--fsdp2-reduce-dtype", "fp16")
+#: LoRA (docs/lora.md): adapters of rank 16 on the default modules, the base frozen in fp16
+LORA = ("--lora-rank", "16")
 #: what a 24 GB GPU leaves for tensors: 22.4 GiB less a 2 GiB margin (CUDA context, NCCL,
 #: fragmentation)
 GPU_24GB_BUDGET = 20.4
@@ -100,8 +102,23 @@ def _fitting_rows() -> tuple[Row, ...]:
     return tuple(rows)
 
 
+def _lora_rows() -> tuple[Row, ...]:
+    rows = []
+    for label, size in (("600M", "600m"), ("1.3B", "1_3b"), ("3.3B", "3_3b")):
+        rows.append(Row((label, "`--lora-rank 16`"), _nllb(size, *RECIPE, *LORA)))
+        rows.append(Row((label, "`--lora-rank 16 --checkpoint-activations`"),
+                        _nllb(size, *RECIPE, *LORA, *CKPT)))
+    return tuple(rows)
+
+
 TABLES = (
     Table("fitting", "README.md", ("model", "extra flags"), (2, 4, 8), _fitting_rows()),
+    Table("lora", "README.md", ("model", "extra flags"), (1,), _lora_rows()),
+    Table("lora fit on 24 GB", "docs/lora.md", ("NLLB-3.3B, one GPU, settings",), (1,), (
+        Row(("the recipe's, `--lora-rank 16`",), _nllb("3_3b", *RECIPE, *LORA)),
+        Row(("the recipe's, `--lora-rank 16 --checkpoint-activations`",),
+            _nllb("3_3b", *RECIPE, *LORA, *CKPT)),
+    ), fit_gb=(GPU_24GB_BUDGET,)),
     Table("seed scenario", "docs/memory.md", ("NLLB-600M, settings",), (2,), (
         Row(("NLLB's settings: `--min-params-to-wrap 1e8`, stock criterion, stock tied "
              "gradients, root `default`",), _nllb("600m", *STOCK)),
@@ -134,10 +151,11 @@ def fitted(table: Table, row: Row, budget: float) -> tuple[str, ...]:
 
 def render(table: Table) -> str:
     """The block between the markers: the table, then the command of each row."""
+    gpus = lambda w: f"{w} GPU{'s' if w > 1 else ''}"  # noqa: E731
     if not table.fit_gb:
-        header = [*table.label_header, *(f"{w} GPUs" for w in table.world_sizes)]
+        header = [*table.label_header, *(gpus(w) for w in table.world_sizes)]
     else:
-        header = [*table.label_header, *(f"largest --max-tokens fitting {gb:g} GiB, {w} GPUs"
+        header = [*table.label_header, *(f"largest --max-tokens fitting {gb:g} GiB, {gpus(w)}"
                                          for gb in table.fit_gb for w in table.world_sizes)]
     lines = ["| " + " | ".join(header) + " |",
              "|" + "---|" * len(table.label_header) + "---:|" * (len(header) -

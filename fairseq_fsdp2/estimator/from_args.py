@@ -14,6 +14,7 @@ from ..launch import preflight
 from ..errors import OptionError, exit_bad_input
 from ..options import (FSDP2_BACKEND, LEGACY_FSDP_BACKEND, check_reduce_dtype,
                        tied_grad_buffer_on)
+from . import lora
 from .ledger import Setup
 from .model_profile import ModelProfile, build_profile, workload_for
 from .peak import CPU_BASELINE_GB, Estimate, estimate
@@ -174,16 +175,20 @@ def build_meta_model(args):
 
 def profile_for(args, model=None) -> ModelProfile:
     model = model if model is not None else build_meta_model(args)
+    adapted = lora.adapt(model, args)  # --lora-rank: adapters, the rest frozen (lora.py)
     setup = setup_for(args, 1)
     workload = workload_for(args.max_tokens, args.batch_size, args.seq_len,
                             getattr(args, "required_batch_size_multiple", 8))
-    return build_profile(
+    profile = build_profile(
         model, workload, precision=setup.precision,
         min_params_to_wrap=int(getattr(args, "min_params_to_wrap", int(1e8))),
         checkpoint_activations=setup.checkpoint_activations,
         no_reshard_after_forward=setup.no_reshard_after_forward,
         reshard_degree=setup.reshard_degree, root_reshard=setup.root_reshard,
         chunked_loss=setup.loss_chunk_tokens > 0)
+    if adapted:
+        lora.attach(profile, model)
+    return profile
 
 
 def estimates(args) -> list[Estimate]:

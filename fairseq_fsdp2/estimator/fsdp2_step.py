@@ -8,6 +8,7 @@ from typing import Optional
 from ..sharding.plan import LAYER, ROOT
 from .ledger import (Ledger, Setup, optimizer_state_bytes, step_temporary_bytes,
                      unit_sizes)
+from .lora import trained_sizes
 from .model_profile import ModelProfile
 
 
@@ -38,6 +39,17 @@ class _FSDP2Step:
             self.local[u.name], self.padded[u.name], big = unit_sizes(u, self.shards, rank)
             self.largest = max(self.largest, big)
         self.full = {n: self.padded[n] * self.c for n in self.units}
+        # what trains (LoRA: the adapters; lora.py), and the frozen rest's sharded elements
+        lora = trained_sizes(profile, self.shards, rank)
+        self.frozen_local = lora.frozen_local if lora else {n: 0 for n in self.units}
+        self.grad_local = lora.local if lora else self.local
+        self.grad_padded = lora.padded if lora else self.padded
+        self.grad_numel = lora.numel if lora else {n: u.numel for n, u in self.units.items()}
+        self.grad_largest = lora.largest if lora else self.largest
+        self.trained_shapes = lora.shapes if lora else [sh for u in profile.units
+                                                        for sh in u.shapes]
+        self.layer_grads = lora.layer_params if lora else profile.layer_params
+        self.embedding_grad = 1 if lora is None or lora.embedding_trained else 0
         self.on_device = not (setup.cpu_offload and setup.device == "cuda")
         self.led = Ledger()
         self.gathered: dict[str, int] = {}
@@ -114,14 +126,14 @@ class _FSDP2Step:
         led = self.led
         led.sub("comm", self.retained_rs)  # the previous input buffer is released first
         self.retained_rs = 0
-        rs_input = self.padded[name] * self.rb
+        rs_input = self.grad_padded[name] * self.rb
         # A unit reduced at the end of backward (the root, the shared embedding) still holds
         # its unsharded gradients while FSDP2 allocates the reduce-scatter output (measured at
         # NLLB-600M: gradient, input and output of the shared unit alive at once); a layer's
         # gradients are freed after the copy-in, before the output is allocated. A 16-bit
         # output is then cast to the fp32 sharded gradient, both alive at the cast.
         cast = 4 if self.rb != 4 and not self.s.narrow_grads else 0
-        output = self.local[name] * (self.rb + cast) if self.on_device else 0
+        output = self.grad_local[name] * (self.rb + cast) if self.on_device else 0
         led.moment(f"backward: reduce-scatter {name}", comm=rs_input,
                    grads=output if in_ledger else grad_bytes)
         if not in_ledger and cast and output > grad_bytes:
@@ -132,7 +144,7 @@ class _FSDP2Step:
         led.add("comm", rs_input)
         self.retained_rs = rs_input
         if self.on_device:  # the sharded gradient: fp32, or the 16-bit output kept
-            led.add("grads", self.local[name] * (self.rb if self.s.narrow_grads else 4))
+            led.add("grads", self.grad_local[name] * (self.rb if self.s.narrow_grads else 4))
         self.reduced.add(name)
         self.reshard(name)
 
@@ -141,17 +153,16 @@ class _FSDP2Step:
         p, s, led, c = self.p, self.s, self.led, self.c
         T, V, d = p.workload.tokens, p.vocab, p.embed_dim
         mixed = c != 4
-        sharded = sum(self.local.values()) * 4
+        sharded = sum(self.grad_local.values()) * 4  # the trained (fp32) shards
         if self.on_device:
-            led.add("sharded", sharded)
+            led.add("sharded", sharded + sum(self.frozen_local.values()) * c)
             led.add("optim", optimizer_state_bytes(
-                s, sharded // 4, [shape for u in p.units for shape in u.shapes], self.shards,
-                self.rank))
+                s, sharded // 4, self.trained_shapes, self.shards, self.rank))
             led.add("ema", sharded // 4 * s.ema_bytes)  # beside the shards (trainer/ema.py)
         led.add("other", p.buffer_bytes)
         if s.update_freq > 1:  # gradients carried over from the earlier micro-batches
             if s.no_sync:
-                led.add("grads", sum(self.padded.values()) * (4 if mixed else c))
+                led.add("grads", sum(self.grad_padded.values()) * (4 if mixed else c))
             elif self.on_device:
                 led.add("grads", sharded)
         self.forward()
@@ -167,8 +178,8 @@ class _FSDP2Step:
                 continue
             held = self.root_grads if name == ROOT else 0
             if name == self.shared:
-                held += V * d * c
-            rest = max(self.units[name].numel * c - held, 0)
+                held += V * d * c * self.embedding_grad
+            rest = max(self.grad_numel[name] * c - held, 0)
             led.add("grads", rest)
             self.reduce_scatter(name, held + rest, in_ledger=True)
         led.sub("comm", self.retained_rs)
@@ -180,7 +191,7 @@ class _FSDP2Step:
             self.reshard(name)
         # optimizer step (the update's temporaries, for the largest shard)
         led.moment("optimizer step",
-                   optim=step_temporary_bytes(s, self.largest, sharded // 4)
+                   optim=step_temporary_bytes(s, self.grad_largest, sharded // 4)
                    if self.on_device else 0)
         return led
 
@@ -228,9 +239,10 @@ class _FSDP2Step:
         self.unshard(self.shared, f"backward: all-gather {self.shared}", forward=False)
         self.prefetch_before(self.shared)
         self.unshard(ROOT, "backward: all-gather root", forward=False)
-        led.moment("backward: output projection", grads=V * d * c, acts=T * d * c)
+        vd = V * d * c * self.embedding_grad  # (a frozen embedding has none)
+        led.moment("backward: output projection", grads=vd, acts=T * d * c)
         led.sub("loss", T * V * c)
-        led.add("grads", V * d * c)  # the tied weight's gradient, in autograd's buffer
+        led.add("grads", vd)  # the tied weight's gradient, in autograd's buffer
 
     def chunked_loss(self, n: int) -> bool:
         """The fused chunked loss (criterions/fused.py): each chunk's logits, softmax and
@@ -244,8 +256,9 @@ class _FSDP2Step:
         self.unshard(self.shared, f"loss: all-gather {self.shared}", forward=False)
         chunk = n * V * (4 + (c if c != 4 else 0))  # float32 logits/softmax (+ 16-bit copy)
         # the weight gradient (the tied buffer, with it) is created by the first chunk
-        led.moment("loss forward: one chunk", loss=chunk, grads=V * d * c)
-        led.add("grads", V * d * c)
+        vd = V * d * c * self.embedding_grad  # (a frozen embedding has none)
+        led.moment("loss forward: one chunk", loss=chunk, grads=vd)
+        led.add("grads", vd)
         led.sub("loss", T * d * c)  # the features; their gradient goes on to the model output
         if regather:
             self.reshard(self.shared)
@@ -253,7 +266,7 @@ class _FSDP2Step:
         self.unshard(ROOT, "backward: all-gather root", forward=False)
         self.prefetch_before(ROOT)
         led.sub("loss", T * d * c)
-        return True  # the weight's gradient exists: each lookup's gradient adds to it
+        return bool(self.embedding_grad)  # the weight's gradient exists: lookups add to it
 
     def layers_backward(self, accumulated: bool) -> None:
         p, led, c = self.p, self.led, self.c
@@ -275,7 +288,7 @@ class _FSDP2Step:
                     led.moment(f"backward: {value}", acts=recompute.get(value, 0)
                                + 2 * self.trace.max_act.get(value, 0) + T * d * c)
             elif value in p.layer_params:  # this layer's backward is over
-                n_params = p.layer_params[value]
+                n_params = self.layer_grads[value]
                 led.moment(f"backward: {value} gradients", grads=n_params * c, acts=2 * T * d * c)
                 if name in (None, ROOT):
                     self.root_grads += n_params * c
@@ -285,7 +298,7 @@ class _FSDP2Step:
             elif value in p.embed_paths:
                 # stock: each lookup's dense vocab x dim gradient, added to the weight's; with
                 # --fsdp2-tied-grad-buffer the rows are added into the one buffer in place
-                extra = (0 if self.s.tied_grad_buffer else
+                extra = (0 if self.s.tied_grad_buffer or not self.embedding_grad else
                          V * d * c if accumulated else 2 * V * d * c)
                 led.moment(f"backward: {value} (embedding gradient)", grads=extra)
                 accumulated = True

@@ -21,8 +21,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Iterator, Optional
@@ -30,7 +28,7 @@ from typing import Iterator, Optional
 import torch
 
 from ..errors import CheckpointError
-from .safetensors_io import SafetensorsFile, write
+from .safetensors_io import SafetensorsFile, new_directory, write
 from .tokenizer_files import copy_tokenizer, largest_id
 from .vocab import CONFIG_FILE, dictionary_problem, read_config
 
@@ -262,9 +260,7 @@ def export(model: dict, model_cfg: dict, out: str, tokenizer: Optional[str] = No
             raise CheckpointError(f"the tokenizer in {tokenizer} has ids up to {largest}, the "
                                   f"model's embedding {embedding.shape[0]} rows: not this "
                                   f"model's tokenizer")
-    parent = os.path.dirname(os.path.abspath(out))
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
-    try:
+    with new_directory(out) as tmp:
         for name, content in (("config.json", config),
                               ("generation_config.json", GENERATION_CONFIG)):
             with open(os.path.join(tmp, name), "w") as f:
@@ -272,10 +268,4 @@ def export(model: dict, model_cfg: dict, out: str, tokenizer: Optional[str] = No
         write(os.path.join(tmp, WEIGHTS), tensors, metadata={"format": "pt"})
         if tokenizer is not None:
             copy_tokenizer(Path(tokenizer), Path(tmp))
-        if os.path.isdir(out):
-            os.rmdir(out)
-        os.replace(tmp, out)
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp)
     return out

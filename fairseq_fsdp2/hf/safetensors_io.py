@@ -11,10 +11,13 @@ real ``safetensors`` package and ``transformers`` (test-only requirements).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
+import shutil
 import struct
+import tempfile
 from typing import Iterable, Optional
 
 import torch
@@ -100,3 +103,20 @@ def write(path: str, tensors: Iterable[tuple[str, torch.Tensor]],
         for _, t in tensors:
             f.write(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def new_directory(out: str):
+    """A model directory written whole or not at all: the body writes into a temporary
+    directory beside ``out`` (yielded), renamed to ``out`` (absent or empty) at its end;
+    removed if the body fails."""
+    parent = os.path.dirname(os.path.abspath(out))
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+    try:
+        yield tmp
+        if os.path.isdir(out):
+            os.rmdir(out)
+        os.replace(tmp, out)
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)

@@ -97,6 +97,10 @@ VALUED = (
     ("--num-workers", "NUM_WORKERS", "", "N", "data loader worker processes (default: "
      "fairseq's 1 on GPU, 0 on CPU: each worker costs about 5 s to shut down at every "
      "validation and checkpoint, longer than a tiny model's epoch)"),
+    ("--lora-rank", "LORA_RANK", "0", "R", "fine-tune low-rank adapters (LoRA) of rank R on the "
+     "attention and feed-forward projections, the base frozen in the compute dtype "
+     "(docs/lora.md; default: 0, full fine-tuning). --lora-alpha, --lora-dropout, "
+     "--lora-modules and --lora-train-params go after --"),
     ("--log-interval", "LOG_INTERVAL", "100", "N", "updates between log lines (default: 100)"),
     ("--seed", "SEED", "2", "N", "(default: 2)"),
 )
@@ -112,7 +116,7 @@ SWITCHES = (
      "your own torchrun or srun"),
 )
 UNSIGNED = ("MAX_UPDATE", "MAX_TOKENS", "UPDATE_FREQ", "MIN_PARAMS_TO_WRAP", "LOG_INTERVAL",
-            "SEED", "LOSS_CHUNK_TOKENS", "NPROC", "WARMUP_UPDATES", "NUM_WORKERS")
+            "SEED", "LOSS_CHUNK_TOKENS", "NPROC", "WARMUP_UPDATES", "NUM_WORKERS", "LORA_RANK")
 
 
 def die(message: str) -> NoReturn:
@@ -243,6 +247,7 @@ def train_flags(o: argparse.Namespace, extra: Sequence[str]) -> list[str]:
         "--max-tokens", o.MAX_TOKENS, "--update-freq", o.UPDATE_FREQ,
         "--max-update", o.MAX_UPDATE, "--min-params-to-wrap", o.MIN_PARAMS_TO_WRAP,
         "--fsdp2-root-reshard", o.ROOT_RESHARD, *PRECISION_FLAGS[o.PRECISION], *device,
+        *(["--lora-rank", o.LORA_RANK] if int(o.LORA_RANK or 0) > 0 else []),
         "--save-dir", o.SAVE_DIR or f"checkpoints/nllb_{o.MODEL_SIZE}", "--seed", o.SEED,
         "--log-interval", o.LOG_INTERVAL, "--no-progress-bar", *extra]
 

@@ -110,6 +110,10 @@ def check_options(cfg) -> None:
              world_size=dt.distributed_world_size,
              optimizer=getattr(cfg.optimizer, "_name", None),  # a Namespace for some
              fp16_adam_stats=bool(getattr(cfg.optimizer, "fp16_adam_stats", False)))
+    decay = float(getattr(cfg.optimizer, "weight_decay", 0.0) or 0.0)
+    if getattr(dt, "lora_train_new_rows", False) and decay > 0:
+        raise OptionError(f"--lora-train-new-rows keeps the pretrained rows as they are, which "
+                          f"--weight-decay {decay:g} would shrink: choose one")
     check_fairseq_flags(cfg)
 
 
@@ -157,12 +161,13 @@ def data_error(error: BaseException, data: Optional[str]) -> Optional[str]:
 
 def check_fsdp2_only_options(cfg) -> None:
     """The plugin's options whose names do not say FSDP2 (``--bf16-adam-stats``,
-    ``--eight-bit-adam-stats``, ``--init-new-langs-from``), given to another backend, which
+    ``--eight-bit-adam-stats``, ``--init-new-langs-from``, ``--lora-rank``), given to another backend, which
     would ignore them: refused."""
     dt = cfg.distributed_training
     for key, flag in (("bf16_adam_stats", "--bf16-adam-stats"),
                       ("eight_bit_adam_stats", "--eight-bit-adam-stats"),
-                      ("init_new_langs_from", "--init-new-langs-from")):
+                      ("init_new_langs_from", "--init-new-langs-from"),
+                      ("lora_rank", "--lora-rank")):
         if getattr(dt, key, None):
             raise OptionError(f"{flag} needs --ddp-backend fsdp2: --ddp-backend "
                               f"{dt.ddp_backend} would ignore it")

@@ -13,6 +13,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecision
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import gloo_collectives
+from ..models import lora
 from .plan import ShardingPlan
 
 logger = logging.getLogger(__name__)
@@ -23,6 +24,8 @@ def apply_plan(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, *,
                cpu_offload: bool = False) -> nn.Module:
     """Shard ``model`` in place, unit by unit (inner units first, the root last)."""
     modules = dict(model.named_modules())
+    if plan.lora is not None:  # the frozen base in the compute dtype, before it is sharded
+        lora.cast_frozen(model, plan.lora.frozen_dtype)
     kwargs = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
     if cpu_offload:
         # pin_memory needs an accelerator; without one FSDP2 fails to start with it.

@@ -21,6 +21,12 @@ Policy (all of it lives here):
 - A module reachable under several paths (an encoder shared by several language pairs, a
   module each layer holds a reference to) must lie in one unit: one that several units would
   hold stops the run at start (``PlanError``), naming it.
+- LoRA (``--lora-rank``, models/lora.py): the units are the same; the plan records which
+  parameters train (the adapters and --lora-train-params) and the dtype the frozen rest is
+  stored in (the compute dtype: no fp32 master copy of weights that never change; FSDP2
+  requires one dtype only of a unit's trainable parameters, so frozen 16-bit and fp32 adapters
+  share a unit, all-gathered in the compute dtype). Frozen parameters get no gradient, so no
+  reduce-scatter and no optimizer state.
 - Reshard after forward: layer units follow ``--no-reshard-after-forward`` or
   ``--fsdp2-reshard-degree``; the root and the shared-embedding unit follow
   ``--fsdp2-root-reshard`` (they are used at both ends of forward and backward).
@@ -30,9 +36,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+import torch
 import torch.nn as nn
 
 from ..errors import FSDP2Error
+from ..models import lora
 
 ReshardSetting = Union[bool, int, None]
 
@@ -56,6 +64,25 @@ class Unit:
     reshard_after_forward: ReshardSetting  # None: PyTorch decides (False for the root)
 
 
+@dataclass(frozen=True)
+class LoraPlan:
+    """What LoRA changes in a plan: which parameters train, what the frozen rest is stored in."""
+
+    rank: int
+    adapted_modules: int
+    adapter_params: int  # elements of lora_A/lora_B
+    trained_params: int  # elements trained in full beside them (--lora-train-params)
+    frozen_params: int
+    frozen_dtype: Optional[torch.dtype]  # None: as built (fp32)
+
+    def describe(self) -> str:
+        dtype = str(self.frozen_dtype or torch.float32).replace("torch.", "")
+        return (f"LoRA rank {self.rank}: {self.adapted_modules} linear modules adapted, "
+                f"{self.adapter_params:,} adapter parameters (fp32, trained), "
+                f"{self.trained_params:,} more trained in full, {self.frozen_params:,} frozen "
+                f"(stored in {dtype}: no gradient, no optimizer state)")
+
+
 @dataclass
 class ShardingPlan:
     units: list[Unit]  # inner units first, the root last (the order of fully_shard calls)
@@ -65,6 +92,8 @@ class ShardingPlan:
     warnings: list[str] = field(default_factory=list)
     #: modules a task may call on their own: such calls gather the root unit (module docstring)
     entries: tuple[str, ...] = ()
+    #: --lora-rank: the trained and frozen parameters (None: everything trains)
+    lora: Optional[LoraPlan] = None
 
     @property
     def root(self) -> Unit:
@@ -90,6 +119,8 @@ class ShardingPlan:
         if self.entries:
             lines.append("called on their own outside the root's forward (then gathered with "
                          "the root unit): " + ", ".join(self.entries))
+        if self.lora is not None:
+            lines.append(self.lora.describe())
         head = (f"FSDP2 sharding plan: {len(self.units)} units over {self.world_size} rank(s), "
                 f"{self.total_params:,} parameters, --min-params-to-wrap {self.min_params_to_wrap:,}")
         return "\n".join([head] + lines + [f"WARNING: {w}" for w in self.warnings])
@@ -189,7 +220,8 @@ def count_params(modules: list[nn.Module], exclude: set[int] = frozenset()) -> i
 
 def build_plan(model: nn.Module, *, world_size: int, min_params_to_wrap: int,
                checkpoint_activations: bool = False, no_reshard_after_forward: bool = False,
-               reshard_degree: int = 0, root_reshard: str = "default") -> ShardingPlan:
+               reshard_degree: int = 0, root_reshard: str = "default",
+               frozen_dtype: Optional[torch.dtype] = None) -> ShardingPlan:
     """Compute the plan for ``model``. See the module docstring for the policy."""
     threshold = 0 if checkpoint_activations else min_params_to_wrap
     layer_setting: ReshardSetting = (reshard_degree if reshard_degree > 0
@@ -229,7 +261,8 @@ def build_plan(model: nn.Module, *, world_size: int, min_params_to_wrap: int,
     entries = tuple(p for p in entry_modules(model) if id(modules[p]) not in unit_ids)
     units.append(Unit(ROOT, ROOT, ("",), count_params([model], managed), root_setting))
 
-    plan = ShardingPlan(units, total, world_size, min_params_to_wrap, entries=entries)
+    plan = ShardingPlan(units, total, world_size, min_params_to_wrap, entries=entries,
+                        lora=lora_plan(model, frozen_dtype))
     if world_size > 1 and candidates and not layers:
         largest = max(count_params([m]) for _, m in candidates)
         plan.warnings.append(
@@ -238,3 +271,19 @@ def build_plan(model: nn.Module, *, world_size: int, min_params_to_wrap: int,
             f"gathered whole on every rank, so peak memory per rank drops little. "
             f"Use --min-params-to-wrap {largest:,} or less to shard per layer.")
     return plan
+
+
+def lora_plan(model: nn.Module, frozen_dtype: Optional[torch.dtype]) -> Optional[LoraPlan]:
+    """The LoRA part of the plan of an adapted model (models/lora.py), None otherwise."""
+    spec = lora.spec_of(model)
+    if spec is None:
+        return None
+    adapters = trained = frozen = 0
+    for name, param in model.named_parameters():
+        if lora.is_adapter(name):
+            adapters += param.numel()
+        elif param.requires_grad:
+            trained += param.numel()
+        else:
+            frozen += param.numel()
+    return LoraPlan(spec.rank, len(spec.modules), adapters, trained, frozen, frozen_dtype)

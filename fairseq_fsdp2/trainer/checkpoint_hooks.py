@@ -19,7 +19,7 @@ import torch
 from fairseq import utils as fairseq_utils
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..checkpoint import async_save, sharded
 from ..checkpoint.export import read_full_model
@@ -32,6 +32,7 @@ from ..checkpoint.safe_load import python_numbers, read_checkpoint_file
 from ..checkpoint.shared_dir import check_shared
 from ..hf import nllb_weights as hf_nllb
 from ..memory.monitor import current_gb
+from ..models import lora
 from ..options import new_lang_sources
 from ..optimizer.loss_scale import restore_scaler_counts, scaler_counts
 from . import resume
@@ -71,6 +72,8 @@ class TrainerCheckpoints:
         keep_optimizer = not self.cfg.checkpoint.no_save_optimizer_state
         optimizer = self.optimizer.optimizer if keep_optimizer else None
         with self._save_errors_reported():
+            if lora.spec_of(self.model) is not None and self.lora_base is None:
+                self._lora_base = sharded.save_base(self.model, save_dir)  # once per save dir
             extra = self.sharded_extras()
             if saves is not None:  # training goes on while the shards are written
                 timeout = self.cfg.distributed_training.heartbeat_timeout
@@ -81,6 +84,33 @@ class TrainerCheckpoints:
             else:
                 self._shards = sharded.save(self.model, optimizer, save_dir,
                                             self.get_num_updates(), extra)
+
+    def keep_pretrained_rows(self) -> None:
+        """--lora-train-new-rows: zero the gradient of the shared embedding's pretrained rows
+        (the first ``pretrained_rows``, recorded when the model was loaded or in the resumed
+        checkpoint) before the norm and the step: with no gradient, ever, Adam's moments of
+        those rows stay zero and so does their update (0 / (0 + eps)); SGD's too."""
+        spec = lora.spec_of(self.model)
+        rows = getattr(self, "_pretrained_rows", 0)
+        if spec is None or spec.new_rows is None or not rows:
+            return
+        weight = dict(self.model.named_parameters())[spec.new_rows]
+        if weight.grad is None:
+            return
+        if getattr(self, "_row_mask", None) is None:
+            mask = (torch.arange(weight.shape[0]) >= rows).unsqueeze(1)
+            if isinstance(weight.grad, DTensor):  # the rows of this rank's shard
+                mask = distribute_tensor(mask, weight.grad.device_mesh, weight.grad.placements,
+                                         src_data_rank=None).to_local()
+            self._row_mask = mask.to(weight.grad.device)
+        grad = weight.grad.to_local() if isinstance(weight.grad, DTensor) else weight.grad
+        grad.mul_(self._row_mask)
+
+    @property
+    def lora_base(self):
+        """A LoRA run's frozen base in this save dir (relative), once written (or resumed
+        from this save dir); None before."""
+        return getattr(self, "_lora_base", None)
 
     def sharded_extras(self) -> dict:
         """More state for the shards, beside model and optimizer (ema.py: the EMA's)."""
@@ -129,7 +159,10 @@ class TrainerCheckpoints:
             state["last_optimizer_state"] = {sharded.SHARDED: rel,
                                              **({"loss_scale": scale} if scale else {}),
                                              **({"loss_scaler": counts} if counts else {})}
-        state["fsdp2"] = sharded.header(self.model, rel, self.data_parallel_world_size)
+        state["fsdp2"] = sharded.header(self.model, rel, self.data_parallel_world_size,
+                                        self.lora_base)
+        if "lora" in state["fsdp2"]:
+            state["fsdp2"]["lora"]["pretrained_rows"] = getattr(self, "_pretrained_rows", 0)
         return python_numbers(state)  # fairseq keeps e.g. the best BLEU as a numpy scalar
 
     def load_checkpoint(self, filename, reset_optimizer=False, reset_lr_scheduler=False,
@@ -150,6 +183,15 @@ class TrainerCheckpoints:
             if info is not None:
                 shard_dir = sharded.resolve(filename, info["shards"])
                 saved = sharded.saved_shapes(sharded.read_metadata(shard_dir, filename))
+                if info.get("lora"):  # --lora-train-new-rows: where the added rows start
+                    self._pretrained_rows = info["lora"].get("pretrained_rows", 0)
+                if info.get("lora_base"):  # a LoRA checkpoint: its frozen base beside it
+                    self._lora_base_dir = sharded.resolve(filename, info["lora_base"])
+                    saved.update(sharded.saved_shapes(
+                        sharded.read_metadata(self._lora_base_dir, filename)))
+                    if os.path.dirname(os.path.abspath(filename)) == \
+                            os.path.abspath(self.cfg.checkpoint.save_dir):
+                        self._lora_base = info["lora_base"]  # this save dir's: not written again
             else:
                 saved = {k: tuple(v.shape) for k, v in state["model"].items()
                          if torch.is_tensor(v)}
@@ -158,6 +200,22 @@ class TrainerCheckpoints:
                 del state
                 self._load_pretrained(filename)
                 return self._reset_extra_state(kept)
+            saved_lora = (info or {}).get("lora")
+            if (lora.spec_of(self.model) is not None) != (saved_lora is not None):
+                if reset_optimizer and reset_lr_scheduler and reset_meters:
+                    # fine-tuning across LoRA and full training: the weights (a LoRA
+                    # checkpoint's merged), adapters from their start
+                    kept = {k: state.get(k) for k in ("optimizer_history", "extra_state")}
+                    del state
+                    self._load_pretrained(filename)
+                    return self._reset_extra_state(kept)
+                if saved_lora is None:
+                    raise CheckpointError(f"{filename} was not trained with --lora-rank: start "
+                                          f"LoRA from it with --finetune-from-model")
+                raise CheckpointError(f"{filename} was trained with --lora-rank "
+                                      f"{saved_lora['rank']}: resume it with --lora-rank "
+                                      f"{saved_lora['rank']}, or start from its merged weights "
+                                      f"with --finetune-from-model")
             sharded.check_model_matches(self.model, saved, filename)
             kept = {k: state.get(k) for k in ("optimizer_history", "extra_state")}
             del state  # the weights: read again where needed (by rank 0 only, below)
@@ -230,7 +288,10 @@ class TrainerCheckpoints:
                 full = self._pretrained_weights(filename)
             except CheckpointError as e:  # told to every rank by the broadcast
                 problem = str(e)
-        broadcast_full_model(self.model, full, filename, problem)
+        broadcast_full_model(self.model, full, filename, problem, skip=lora.is_adapter)
+        rows = [getattr(self, "_pretrained_rows", 0)]  # rank 0 read them: every rank's mask
+        torch.distributed.broadcast_object_list(rows, src=0)
+        self._pretrained_rows = rows[0]
         self._weights_loaded = True
         del full
         ranks = self._memory.gather({"before_gb": before,
@@ -254,6 +315,8 @@ class TrainerCheckpoints:
             full = read_full_model(filename)
             known = lambda: checkpoint_dictionary(  # noqa: E731
                 filename, read_checkpoint_file(filename).get("cfg"))
+        embedding = hf_nllb.FAIRSEQ_EMBEDDING[0]  # its rows before growing
+        self._pretrained_rows = full[embedding].shape[0] if embedding in full else 0
         full, grown = grow_embedding(
             full, shapes[hf_nllb.FAIRSEQ_EMBEDDING[0]][0], symbols, filename,
             new_lang_sources(getattr(self.cfg.distributed_training, "init_new_langs_from",
@@ -294,7 +357,8 @@ class TrainerCheckpoints:
         if prefix or sharded.SHARDED not in state_dict:
             return
         sharded.load_model(module, sharded.resolve(self._loading_from,
-                                                   state_dict[sharded.SHARDED]))
+                                                   state_dict[sharded.SHARDED]),
+                           getattr(self, "_lora_base_dir", None))
         state_dict.clear()
         state_dict.update(module.state_dict())
 

@@ -18,14 +18,16 @@ from fairseq.optim import lr_scheduler
 from fairseq.trainer import Trainer
 from omegaconf import open_dict
 
-from ..checkpoint.full_state import install_optimizer_hooks
+from ..checkpoint.full_state import copy_into_shard, install_optimizer_hooks
 from ..errors import CheckpointError, OutOfMemory, first_line
 from ..launch import heartbeat, run_context
 from ..memory.breakdown import record_update
 from ..memory.monitor import MemoryMonitor, describe_last
 from ..optimizer import mixed_precision
 from ..optimizer.build import build_optimizer
-from ..options import FSDP2_BACKEND, tied_grad_buffer_on
+from ..models import lora
+from ..options import (FSDP2_BACKEND, lora_modules, lora_scaling, lora_train_patterns,
+                       tied_grad_buffer_on)
 from ..sharding import layerdrop, meta_build, narrow_grads, tied_grad_buffer
 from ..sharding.apply_plan import all_unsharded, apply_plan
 from ..sharding.mesh import build_mesh
@@ -87,6 +89,9 @@ class FSDP2Trainer(TrainerEMA, TrainerCheckpoints, Trainer):
 
     def _shard(self, model):
         dt = self.cfg.distributed_training
+        if dt.lora_rank > 0:  # adapters on the linear modules, the rest frozen (models/lora.py)
+            lora.adapt(model, dt.lora_rank, lora_scaling(dt), dt.lora_dropout, lora_modules(dt),
+                       lora_train_patterns(dt), bool(getattr(dt, "lora_train_new_rows", False)))
         if tied_grad_buffer_on(dt):  # before sharding: it changes the tied modules' classes
             tied_grad_buffer.install(model)
         # --encoder/--decoder-layerdrop: every rank skips the same layers (sharding/layerdrop.py)
@@ -98,7 +103,8 @@ class FSDP2Trainer(TrainerEMA, TrainerCheckpoints, Trainer):
                                        DEFAULT_MIN_PARAMS_TO_WRAP),
             checkpoint_activations=bool(getattr(self.cfg.model, "checkpoint_activations", False)),
             no_reshard_after_forward=dt.no_reshard_after_forward,
-            reshard_degree=dt.fsdp2_reshard_degree, root_reshard=dt.fsdp2_root_reshard)
+            reshard_degree=dt.fsdp2_reshard_degree, root_reshard=dt.fsdp2_root_reshard,
+            frozen_dtype=mixed_precision.compute_dtype(self.cfg.common))
         if self.is_data_parallel_master:
             logger.info("\n" + plan.table())
             for warning in plan.warnings:
@@ -117,6 +123,8 @@ class FSDP2Trainer(TrainerEMA, TrainerCheckpoints, Trainer):
         if meta_build.built_on_meta(model):
             meta_build.materialize(model, self.device,
                                    torch.device("cpu") if dt.cpu_offload else None)
+        if plan.lora is not None:
+            self._initialize_adapters(model)
         model.register_load_state_dict_pre_hook(self._load_sharded_model)
         self.resolve_shards_before_the_models_own_load(model)
         if dt.fsdp2_no_sync_micro_batches:
@@ -124,6 +132,14 @@ class FSDP2Trainer(TrainerEMA, TrainerCheckpoints, Trainer):
             # when the model has one; give the sharded model FSDP2's equivalent.
             model.no_sync = lambda: _no_gradient_sync(model)
         return model
+
+    def _initialize_adapters(self, model) -> None:
+        """The adapters' starting values (models/lora.py: the same on every rank, from the
+        seed), each rank its shard; a resumed checkpoint overwrites them."""
+        own = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, value in lora.initial_adapters(model, self.cfg.common.seed).items():
+                copy_into_shard(own[name], value.to(own[name].device, own[name].dtype))
 
     # -- optimizer -----------------------------------------------------------------------------
     def _build_optimizer(self):
@@ -155,6 +171,7 @@ class FSDP2Trainer(TrainerEMA, TrainerCheckpoints, Trainer):
         # The norm comes from optimizer/grad_norm.py (build_optimizer installs it under
         # fairseq's fp16 wrappers): the global norm over the DTensor gradients, whatever
         # fairseq's own helper would do (apex's local norms, --cpu-offload's CPU gradients).
+        self.keep_pretrained_rows()  # --lora-train-new-rows (checkpoint_hooks.py)
         try:
             norm = self.optimizer.clip_grad_norm(clip_norm)
         except OverflowError:

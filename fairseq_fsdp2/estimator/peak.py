@@ -146,10 +146,13 @@ def estimate(profile: ModelProfile, setup: Setup) -> Estimate:
                      f"{baseline / GIB:.3f} GiB (Python, torch, fairseq, gloo, data loader, "
                      f"dictionaries), measured on this project's machine")
     else:
+        attention = ("fairseq's own attention path keeps it (LoRA's adapted projections "
+                     "need it: models/lora.py), as traced" if getattr(profile, "lora", None)
+                     else "PyTorch's fused kernels keep it (q, k, v, output, log-sum-exp)")
         notes.append("CUDA: caching-allocator peak of allocated tensors (what the memory log "
                      "reports); CUDA context, NCCL buffers and allocator fragmentation not "
-                     "included; attention as PyTorch's fused kernels keep it (q, k, v, output, "
-                     "log-sum-exp). Validated on CPU only (no GPU on the project's machine)")
+                     f"included; attention as {attention}. Validated on CPU only (no GPU on "
+                     "the project's machine)")
     if setup.optimizer not in OPTIMIZER_STATES:
         notes.append(f"optimizer {setup.optimizer}: its state is not modelled; counted as "
                      f"Adam's (two fp32 copies of every parameter shard)")

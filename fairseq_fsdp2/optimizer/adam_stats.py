@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..sharding.mesh import comm_device, local_part
-from .blockwise_8bit import dequantize, quantizable, quantize, rows_like
+from .blockwise_8bit import abs_max, dequantize, quantizable, quantize, rows_like
 from .local_shard_step import ELEMENTWISE, mix_into
 from .stochastic_round import generator_for, to_bf16_stochastic
 
@@ -326,7 +326,7 @@ class SixteenBitMoments:
             peaks = torch.stack([_full(torch.norm(m, float("inf"))) for m in moments])
         else:
             locals_ = [local_part(m) for m in moments]
-            peaks = torch.stack([torch.norm(m, float("inf")) if m.numel() else
+            peaks = torch.stack([abs_max(m) if m.numel() else
                                  m.new_zeros(()) for m in locals_])
             p = bucket[0][1]
             if isinstance(p, DTensor):

@@ -173,6 +173,13 @@ def _tables(signed: bool, device: torch.device) -> _Tables:
     return _Tables(signed, device)
 
 
+def abs_max(x: torch.Tensor) -> torch.Tensor:
+    """max |x| (a 0-d tensor; x not empty), as ``torch.norm(x, inf)`` but from one min-max
+    pass: on CPU the norm takes about 15x as long (fp16 moments' scale: adam_stats.py)."""
+    least, most = torch.aminmax(x)
+    return torch.maximum(most, least.neg()) + 0.0  # + 0.0: never -0.0
+
+
 def _row_chunks(rows: int, row: int):
     step = max(1, CHUNK // max(row, 1))
     for start in range(0, rows, step):

@@ -1,12 +1,14 @@
 """How Adam's moments are kept, at the real NLLB-600M dimensions on 2 CPU ranks (not a test):
 fp32 moments, ``--bf16-adam-stats`` and ``--eight-bit-adam-stats``, each with ``--bf16``
 compute and the recipe's memory settings (benchmarks/nllb600m.py's ``recipe``), ``--max-tokens
-512`` per rank, 2 updates.
+512`` per rank, 4 updates.
 
 Each rank's peak resident memory is measured from outside the process, as a scheduler sees it:
 GNU time's maximum RSS of each rank's process, with ``--log-interval`` longer than the run (the
 plugin resets the kernel's high-water mark at every log interval: docs/memory.md). Beside each,
-the estimator's prediction for the same command line. fp16 compute is not measured: on CPU it
+the estimator's prediction for the same command line. And the time: seconds per update and the
+optimizer step's own seconds (update_timers.py, imported by each rank first, prints them), the
+median over the updates after the first (the first creates the moments), the slower rank's. fp16 compute is not measured: on CPU it
 does not finish an update of this size in 25 minutes (shared/notes); bf16 holds the same bytes.
 
 Replaces the section between the markers in docs/benchmarks.md; scripts/benchmark_adam_stats_600m.py
@@ -15,8 +17,10 @@ parses the arguments.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
+import statistics
 import time
 from pathlib import Path
 
@@ -33,6 +37,26 @@ COMMON = ["--bf16", "--log-interval", "1000"]
 TIME = ["/usr/bin/time", "-f", "benchmark: max RSS %M KB"]
 RSS = re.compile(r"benchmark: max RSS (\d+) KB")
 KIB_PER_GIB = 2 ** 20
+#: imported by each rank first: prints an UPDATE line per update (its PREFIX; not imported
+#: here, as importing it patches fairseq's Trainer)
+TIMERS = "fairseq_fsdp2.benchmarks.update_timers"
+UPDATE = "UPDATE "
+
+
+def timings(outputs: list[str]) -> dict:
+    """Seconds per update and the optimizer step's, each the median over the updates after
+    the first, the slower rank's."""
+    per_rank = []
+    for out in outputs:
+        rows = [json.loads(line[len(UPDATE):]) for line in out.splitlines()
+                if line.startswith(UPDATE)]
+        later = [r for r in rows if r["update"] > 1]
+        assert len(later) >= 1, out[-2000:]
+        per_rank.append((statistics.median(r["s"] for r in later),
+                         statistics.median(r["optimizer_s"] for r in later)))
+    return {"update_s": round(max(u for u, _ in per_rank), 2),
+            "step_s": round(max(o for _, o in per_rank), 2),
+            "updates_timed": len(later)}
 
 
 def command(data: Path, work: Path, args, flags: list[str]) -> list[str]:
@@ -44,7 +68,8 @@ def measure_setting(data: Path, work: Path, args, flags: list[str]) -> dict:
     train = command(data, work, args, flags)
     prediction = predicted(train, args.ranks)
     t0 = time.time()
-    results = launch(args.ranks, lambda rank: train, args.timeout, wrapper=TIME)
+    results = launch(args.ranks, lambda rank: train, args.timeout, wrapper=TIME,
+                     preload=[TIMERS])
     stop_if_a_rank_failed(results)
     peaks = []
     for _, out in results:
@@ -52,6 +77,7 @@ def measure_setting(data: Path, work: Path, args, flags: list[str]) -> dict:
         assert len(found) == 1, out[-2000:]
         peaks.append(round(int(found[0]) / KIB_PER_GIB, 3))
     return {"peaks_gb": peaks, "predicted_gb": round(prediction.peak_gb, 3),
+            **timings([out for _, out in results]),
             "predicted_moment": prediction.classes[0].moment,
             "wall_s": round(time.time() - t0, 1), "load": os.getloadavg()[0]}
 
@@ -68,17 +94,32 @@ def report(rows: dict, info: dict, meta: dict) -> str:
         f"{meta['max_tokens']}` per rank, {meta['updates']} updates, `--log-interval 1000`. "
         f"Measured from outside: GNU time's maximum resident set of each rank's process "
         f"(`/usr/bin/time -f %M`). Predicted: `python -m fairseq_fsdp2.estimate` with the "
-        f"same command line, `--world-size {meta['ranks']} --seq-len {SEQ}`.", "",
-        "| Adam's moments | rank 0 GiB | rank 1 GiB | predicted GiB |",
-        "|---|---:|---:|---:|"]
+        f"same command line, `--world-size {meta['ranks']} --seq-len {SEQ}`. Time: each "
+        f"update (fairseq's `train_step`) and the optimizer's step within it "
+        f"(`FairseqOptimizer.step`), timed in each rank (`benchmarks/update_timers.py`): the "
+        f"median over updates 2-{meta['updates']}, the slower rank's; load average "
+        + ", ".join(f"{row['load']:.1f}" for row in rows.values()) + " at the settings' ends.",
+        "",
+        "| Adam's moments | rank 0 GiB | rank 1 GiB | predicted GiB | s per update | "
+        "optimizer step s | update vs fp32 |",
+        "|---|---:|---:|---:|---:|---:|---:|"]
+    base = next(iter(rows.values())).get("update_s")
     for name, row in rows.items():
         cells = " | ".join(f"{p:.2f}" for p in row["peaks_gb"])
-        lines.append(f"| {name} | {cells} | {row['predicted_gb']:.2f} |")
+        timed = (f" {row['update_s']:.1f} | {row['step_s']:.2f} | {row['update_s'] / base:.2f}x |"
+                 if base else " - | - | - |")
+        lines.append(f"| {name} | {cells} | {row['predicted_gb']:.2f} |{timed}")
     if EIGHT_BIT_FLAG in rows and "--bf16-adam-stats" in rows:
         saved = max(rows["--bf16-adam-stats"]["peaks_gb"]) - max(rows[EIGHT_BIT_FLAG]["peaks_gb"])
         lines += ["", f"8-bit moments save {saved:.2f} GiB per rank against 16-bit ones (a byte "
                       f"per moment element less: 615.1M x 2 bytes / {meta['ranks']} ranks = "
                       f"{615.1e6 * 2 / meta['ranks'] / 2 ** 30:.2f} GiB, less the block maxima)."]
+    if base and EIGHT_BIT_FLAG in rows:
+        eight = rows[EIGHT_BIT_FLAG]
+        lines += ["", f"8-bit moments cost {eight['update_s'] - base:.1f} s per update more than "
+                      f"float32 ones ({eight['update_s'] / base:.2f}x; the goal, issue 47: "
+                      f"1.15x at most), {eight['step_s'] - rows['fp32 moments']['step_s']:.1f} s "
+                      f"of it in the optimizer step."]
     lines += ["", "The estimator places each peak at "
               + "; ".join(f"{name}: {row['predicted_moment']}" for name, row in rows.items())
               + ".", "", END]

@@ -49,10 +49,10 @@ rounding to an integer, and the float32 threshold is within 2^-9 of exact, which
 count of d below it by one at most); 0 and 1 exactly for up = 0 and 1. So a stored value's
 mean is off by at most 2^-16 of the gap, 1.5e-5 x 0.9 / 64 of its block's absmax: against the
 0.1% per step by which a decaying second moment moves, nothing. Work is done a chunk of rows at
-a time (about CHUNK elements) in buffers allocated once per call (the int32 indices, float32
-quotients and gathered map values, 16-bit draws): TEMPORARY_BYTES a chunk element, a few MiB in
-all (allocated anew per chunk they cost a page fault per 4 KiB with MALLOC_MMAP_THRESHOLD_ set,
-more than the arithmetic).
+a time (about CHUNK elements; CUDA_CHUNK on a GPU) in buffers allocated once per call (the int32
+indices, float32 quotients and gathered map values, 16-bit draws): TEMPORARY_BYTES a chunk
+element, 5 MiB on CPU, 80 MiB on a GPU (allocated anew per chunk they cost a page fault per 4 KiB
+with MALLOC_MMAP_THRESHOLD_ set, more than the arithmetic).
 
 bitsandbytes is not used: its blocks are runs of a flattened tensor, not rows (see above), its
 CPU quantization (bitsandbytes >= 0.44 multi-backend) rounds to nearest, not stochastically,
@@ -73,8 +73,17 @@ BLOCK = 256
 #: tensors with fewer elements (whole parameter, not shard) keep float32 moments, as
 #: bitsandbytes' min_8bit_size; so do 1-D ones (biases, layer norms: few elements)
 MIN_NUMEL = 4096
-#: elements quantized per chunk of rows (at least one row): its temporaries stay in the cache
+#: elements quantized per chunk of rows (at least one row) on CPU: its temporaries stay in the
+#: cache (2^18 was the fastest of 2^14..2^21, one thread)
 CHUNK = 1 << 18
+#: on a GPU: each chunk launches about 20 kernels, and bandwidth, not the cache, is what counts
+#: (a chunk of 2^18 would make NLLB-3.3B's step about 50,000 launches)
+CUDA_CHUNK = 1 << 22
+
+
+def chunk_elements(device: torch.device) -> int:
+    """Elements quantized at a time on ``device`` (its temporaries: TEMPORARY_BYTES each)."""
+    return CHUNK if device.type == "cpu" else CUDA_CHUNK
 #: at most this many bytes of temporaries per element of a chunk while quantizing: float32
 #: quotients (padded rows) and gathered map values, int32 prefixes and indices, 16-bit draws:
 #: 18, and two float32 maxima per block; dequantizing needs fewer (int32 codes: 4)
@@ -180,8 +189,8 @@ def abs_max(x: torch.Tensor) -> torch.Tensor:
     return torch.maximum(most, least.neg()) + 0.0  # + 0.0: never -0.0
 
 
-def _row_chunks(rows: int, row: int):
-    step = max(1, CHUNK // max(row, 1))
+def _row_chunks(rows: int, row: int, device: torch.device):
+    step = max(1, chunk_elements(device) // max(row, 1))
     for start in range(0, rows, step):
         yield start, min(rows, start + step)
 
@@ -203,9 +212,9 @@ def quantize(x: torch.Tensor, signed: bool, generator: torch.Generator,
         return codes, absmax
     tables = _tables(signed, x.device)
     flat, out = x.reshape(rows, row), codes.view(rows, row)
-    step = max(1, CHUNK // max(row, 1))
+    step = max(1, chunk_elements(x.device) // max(row, 1))
     work = _Workspace(min(step, rows) * blocks, x.device)
-    for start, end in _row_chunks(rows, row):
+    for start, end in _row_chunks(rows, row, x.device):
         part, n = flat[start:end], (end - start) * blocks * BLOCK
         scaled = work.f32a[:n].view(end - start, blocks * BLOCK)
         if blocks * BLOCK != row:  # the last block of each row: zeros after the row's end
@@ -269,9 +278,9 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool,
         return out
     qmap = dynamic_map(signed, codes.device)
     flat, dest = codes.reshape(rows, row), out.view(rows, row)
-    step = max(1, CHUNK // max(row, 1))
+    step = max(1, chunk_elements(codes.device) // max(row, 1))
     index = torch.empty(min(step, rows) * row, dtype=torch.int32, device=codes.device)
-    for start, end in _row_chunks(rows, row):
+    for start, end in _row_chunks(rows, row, codes.device):
         n = (end - start) * row
         index[:n].view(end - start, row).copy_(flat[start:end])
         values = torch.index_select(qmap, 0, index[:n], out=dest[start:end].view(-1))

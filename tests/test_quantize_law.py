@@ -14,13 +14,14 @@ BLOCK elements starts with 1.0, so its absmax is 1 and every quotient is its ele
 Checked for every draw: the code is the lower or the upper neighbour, the lower where up = 0,
 the upper where up = 1, code 1 for 0 < s < q_1 (unsigned). Checked in frequency: R stores of
 each input; the count K of upper codes is Binomial(R, p) with |p - up| <= 2^-16 + 2^-20 (the
-16-bit draws, blockwise_8bit.py; up computed in float32 is within a few U32 of the exact up
-used here, 2^-20 covers it). Bernstein: P(|K - R p| >= a) <= 2 exp(-a^2 / (2 (R p (1 - p) +
-a / 3))), so with a = L / 3 + sqrt(L^2 / 9 + 2 R p (1 - p) L), L = ln(2 M / 1e-9), no input
-of the M tested leaves its band except with probability 1e-9 for any seed (union bound; M <
-2200, L < 29.1). R = 4096: a is at most 0.08 R (p = 1/2); for a p of 0 or 1 the count is exact
-(a = 0: those inputs are the deterministic checks). A wrong neighbour, rounding to nearest or
-the complement 1 - up is off by far more (tried by hand: the commit says what it printed).
+16-bit draws, blockwise_8bit.py: p = ceil(up x 2^16) / 2^16; up computed in float32 is within a
+few U32 of the exact up used here, 2^-20 covers it). Bernstein: P(|K - R p| >= a) <= 2 exp(-a^2
+/ (2 (R p (1 - p) + a / 3))), so with a = L / 3 + sqrt(L^2 / 9 + 2 R p (1 - p) L), L = ln(2 M /
+1e-9), no input of the M tested leaves its band except with probability 1e-9 for any seed (union
+bound; M < 2200, L < 29.1). R = 4096: a is at most 0.08 R (p = 1/2); for a p of 0 or 1 the count
+is exact (a = 0: those inputs are the deterministic checks). A wrong neighbour, rounding to
+nearest or the complement 1 - up is off by far more (tried by hand: the commit says what it
+printed).
 """
 from __future__ import annotations
 

@@ -33,31 +33,30 @@ need:
   to 0 would step by m / eps.
 
 How it is fast (eager tensor operations, no search, no compiler: about 20x the speed of
-``torch.searchsorted`` over the map and a float32 random number per element, and the same codes
-for the same draws). A float32 quotient's lower neighbour in the map follows from the top 16
-bits of its bit pattern (sign, exponent, 7 bits of significand): ``_Tables`` holds, for each of
-the 65536 prefixes, the lower neighbour's index of the prefix's least float, and the one map
-value (if any) that lies within the prefix's range: the map's values are at least 0.7% apart
-relative to themselves, more than a prefix spans where they lie (2^-8 of a float in [0.5, 1)),
-so no prefix holds two (checked when the tables are built). One compare against that value finishes the search
-exactly, as ``searchsorted`` would (tests/test_adam_stats_8bit.py compares both at every map
-value and its float32 neighbours). The random numbers are 16-bit integers, four from each
-64-bit draw of the caller's generator: the upper neighbour is taken when d < up x 2^16 -
-32768.5 for d uniform on [-32768, 32767], that is with probability round(up x 2^16) / 2^16
-(up: the distance from the lower over the gap, in float32), within 2^-16 of up (2^-17 for the
-rounding to an integer, and the float32 threshold is within 2^-9 of exact, which moves the
-count of d below it by one at most); 0 and 1 exactly for up = 0 and 1. So a stored value's
-mean is off by at most 2^-16 of the gap, 1.5e-5 x 0.9 / 64 of its block's absmax: against the
-0.1% per step by which a decaying second moment moves, nothing. Work is done a chunk of rows at
-a time (about CHUNK elements; CUDA_CHUNK on a GPU) in buffers allocated once per call (the int32
-indices, float32 quotients and gathered map values, 16-bit draws): TEMPORARY_BYTES a chunk
-element, 5 MiB on CPU, 80 MiB on a GPU (allocated anew per chunk they cost a page fault per 4 KiB
-with MALLOC_MMAP_THRESHOLD_ set, more than the arithmetic).
+``torch.searchsorted`` over the map with a float32 random number per element, and the same
+neighbours and rounding law; scripts/benchmark_moment_storage.py measures it). A float32
+quotient's lower neighbour in the map follows from the top 16 bits of its bit pattern (sign,
+exponent, 7 bits of significand): ``_Tables`` holds, for each of the 65536 prefixes, the lower
+neighbour's index of the prefix's least float, and the one map value (if any) that lies within
+the prefix's range: the map's values are at least 0.7% apart relative to themselves, more than a
+prefix spans where they lie (2^-8 of a float in [0.5, 1)), so no prefix holds two (checked when
+the tables are built). One compare against that value finishes the search exactly, as
+``searchsorted`` would (tests/test_quantize_law.py compares both at every map value and its
+float32 neighbours). The random numbers are 16-bit integers, four from each 64-bit draw of the
+caller's generator: the upper neighbour is taken when d < up x 2^16 for d uniform on 0..65535,
+that is with probability ceil(up x 2^16) / 2^16, from up to up + 2^-16 (up: the distance from
+the lower over the gap, in float32; up x 2^16 is exact, the gap being divided by 2^16 in the
+table); 0 and 1 exactly for up = 0 and 1. So a stored value's mean is above the exact one by at
+most 2^-16 of the gap, 1.5e-5 x 0.9 / 64 of its block's absmax: against the 0.1% per step by
+which a decaying second moment moves, nothing. Work is done a chunk of rows at a time (about
+CHUNK elements; CUDA_CHUNK on a GPU) in buffers allocated once per call (the int32 indices,
+float32 quotients and gathered map values, 16-bit draws): TEMPORARY_BYTES a chunk element, 5 MiB
+on CPU, 80 MiB on a GPU (allocated anew per chunk they cost a page fault per 4 KiB with
+MALLOC_MMAP_THRESHOLD_ set, more than the arithmetic).
 
-bitsandbytes is not used: its blocks are runs of a flattened tensor, not rows (see above), its
-CPU quantization (bitsandbytes >= 0.44 multi-backend) rounds to nearest, not stochastically,
-and its stochastic rounding runs only inside its CUDA optimizer kernels, which update the
-moments themselves (we step with fairseq's Adam).
+bitsandbytes is not used: its blocks are runs of a flattened tensor, not rows (see above); its
+stochastic rounding lives in its CUDA kernels, and its 8-bit optimizers update the moments
+themselves (we step with fairseq's Adam); no CPU path of it takes row-aligned blocks.
 """
 from __future__ import annotations
 
@@ -91,9 +90,8 @@ TEMPORARY_BYTES = 20
 DECADES = 7
 #: bits of a float32's pattern that index the tables (sign, exponent, 7 of the significand)
 PREFIX_BITS = 16
-#: the upper neighbour is taken when a 16-bit draw d (on [-2^15, 2^15)) < up x DRAWS - OFFSET
+#: the upper neighbour is taken when a 16-bit draw d (on 0..65535) < up x DRAWS
 DRAWS = float(1 << 16)
-OFFSET = 32768.5
 
 
 @lru_cache(maxsize=None)
@@ -174,7 +172,9 @@ class _Tables:
         self.after = torch.where(high > low, after, math.inf).to(device)
         self.value = q.float().to(device)
         gap = q.float().diff()  # as the float32 difference above - below
-        self.gap = torch.cat([gap, gap[-1:]]).to(device)  # index 255 is never a lower one
+        # divided by DRAWS (exact: a power of 2): the quotient is up x DRAWS; index 255 is never
+        # a lower neighbour
+        self.gap = (torch.cat([gap, gap[-1:]]) / DRAWS).to(device)
 
 
 @lru_cache(maxsize=None)
@@ -238,10 +238,10 @@ def quantize(x: torch.Tensor, signed: bool, generator: torch.Generator,
         torch.index_select(tables.after, 0, prefix, out=other)
         low.sub_(_negative(other.sub_(s)))  # + 1 where s > after: searchsorted's neighbour
         s.sub_(torch.index_select(tables.value, 0, low, out=other))
-        s.div_(torch.index_select(tables.gap, 0, low, out=other))  # up, as a probability
+        s.div_(torch.index_select(tables.gap, 0, low, out=other))  # up x DRAWS
         draws = work.draws[:n // 4].random_(-1 << 63, None, generator=generator)
-        other.copy_(draws.view(torch.int16))  # exact: integers below 2^15
-        low.sub_(_negative(other.sub_(s.mul_(DRAWS).sub_(OFFSET))))  # + 1 where d < threshold
+        other.copy_(draws.view(torch.uint16))  # exact: integers below 2^16
+        low.sub_(_negative(other.sub_(s)))  # + 1 where d < up x DRAWS
         out[start:end] = low.view(end - start, blocks * BLOCK)[:, :row]
     return codes, absmax
 

@@ -200,3 +200,46 @@ def clipped_norms(printed_gnorms, clip: float) -> list[float]:
     """Upper bounds of each update's clipped gradient norm, min(gnorm, clip), from the gnorm
     fairseq printed (the norm before clipping) plus its half unit."""
     return [min(float(g) + printed_half_unit(g, "gnorm"), clip) for g in printed_gnorms]
+
+
+#: Runs whose difference from a reference has no bound that can be derived (stochastic
+#: rounding of Adam's stored moments: an element's error is relative to its block's largest, or
+#: it is carried through many steps of a run whose weights already differ) are compared with the
+#: spread of the noise itself: the same run with other rounding draws (tests/probes/
+#: other_rounding_draws.py: the same model, batches and dropout, other random numbers). The run
+#: and the reference differ by one draw of the rounding noise; the run and its twin by two
+#: independent draws, sqrt(2) times the spread in the linear regime. So over a window of
+#: updates the largest |run - reference| stays near the largest |run - twin| / sqrt(2), with
+#: only sampling's fluctuation of a maximum between them; NOISE_FACTOR allows it to reach 5
+#: times that largest (3.5 times its expected size), with the twin's spread taken at the upper
+#: end of what the printed values allow (each within its half unit). A systematic error (a
+#: wrong scale, a wrong block, a code read as its neighbour) moves the run and its twin alike
+#: away from the reference, leaving the twin's spread at the noise.
+NOISE_FACTOR = 5.0
+
+
+def spread(a: dict, b: dict, updates, index: int, key: str) -> float:
+    """The largest relative |x_a - x_b| of two runs' printed value ``index`` (per_update's)
+    over ``updates``, each difference at its upper end given the printed rounding (plus both
+    half units), relative to b's value."""
+    return max((abs(float(a[n][index]) - float(b[n][index])) +
+                printed_half_unit(a[n][index], key) + printed_half_unit(b[n][index], key))
+               / abs(float(b[n][index])) for n in updates)
+
+
+def assert_within_noise(got: str, want: str, twin: str, windows, keys=("loss", "gnorm")) -> None:
+    """Run ``got`` against ``want`` (the reference) over each window of updates (ranges), each
+    printed value within NOISE_FACTOR x the spread between ``got`` and ``twin`` (the same run
+    with other rounding draws) in that window, plus the printed rounding."""
+    a, b, c = (per_update(out, keys) for out in (got, want, twin))
+    for window in windows:
+        for index, key in enumerate(keys):
+            noise = spread(a, c, window, index, key)
+            worst = max(abs(float(a[n][index]) - float(b[n][index])) / abs(float(b[n][index]))
+                        for n in window)
+            print(f"updates {window.start}-{window.stop - 1} {key}: largest relative "
+                  f"difference {worst:.2e}, the rounding's spread {noise:.2e}")
+            for n in window:
+                assert printed_close(a[n][index], b[n][index], NOISE_FACTOR * noise, key), \
+                    f"update {n} {key}: {a[n]} vs {b[n]}, beyond {NOISE_FACTOR} x the " \
+                    f"spread {noise:.2e} of other rounding draws ({c[n]})"

@@ -37,9 +37,9 @@ import torch
 from fairseq.optim.adam import FairseqAdamConfig
 from omegaconf import OmegaConf
 
-from conftest import train_args_for
+from conftest import REPO, train_args_for
 from launcher import ok, run_command, run_ranks
-from numerics import U32, per_update, printed_close
+from numerics import U32, assert_within_noise, per_update
 
 from fairseq_fsdp2.optimizer.adam_stats import ABSMAX_KEYS
 from fairseq_fsdp2.optimizer.blockwise_8bit import BLOCK, dequantize, dynamic_map, quantize
@@ -245,60 +245,48 @@ def trained(corpus, tmp_path_factory):
     """Runs of the wider tiny model: flags -> (rank 0's output, save dir), each once. The
     comparison with float32 moments trains 200 updates on one rank (what it proves needs no
     second rank, and a rank's gloo collectives would double its cost); the 8-bit state's
-    save and resume, on two ranks (each rank draws its own stochastic rounding), 12 updates."""
+    save and resume, on two ranks (each rank draws its own stochastic rounding), 12 updates.
+    ``other_draws``: the run through tests/probes/other_rounding_draws.py (the same run, other
+    random numbers for the rounding)."""
     done = {}
 
-    def run(*flags, ranks=1, updates=UPDATES):
-        key = (flags, ranks, updates)
+    def run(*flags, ranks=1, updates=UPDATES, other_draws=False):
+        key = (flags, ranks, updates, other_draws)
         if key not in done:
             save_dir = tmp_path_factory.mktemp("run")
+            probe = {"module": "other_rounding_draws",
+                     "env": {"PYTHONPATH": str(REPO / "tests" / "probes")}} if other_draws else {}
             done[key] = (ok(run_ranks(ranks, lambda r: train_args_for(
                 corpus, save_dir, *FSDP2, *WIDER, *flags, updates=updates,
-                save="--save-interval-updates" in flags), timeout=600)), save_dir)
+                save="--save-interval-updates" in flags), timeout=600, **probe)), save_dir)
         return done[key]
     return run
 
 
-def eight_bit_training_tolerance() -> float:
-    """Relative tolerance for the printed loss and gnorm of an update of the 8-bit run against
-    the float32-moment run: an ESTIMATE derived from the rounding, not a bound (a bound relative
-    to each element does not exist: the module docstring).
-
-    Each store's stochastic rounding error has mean zero given the past and lies within one gap
-    of the map, at most G x A (A: the block's largest element), so its standard deviation is at
-    most G / 2 x A. Carried into later moments multiplied by beta^k, independent draws add up
-    to a standard deviation of at most G / 2 x A x sqrt(sum beta^2k): 1 / sqrt(1 - 0.81) = 2.3
-    for m (G = 0.9 / 64), sqrt((1 - 0.999^400) / (1 - 0.999^2)) = 12.8 for v by update 200
-    (G = 0.9 / 128): 1.6% of the block's largest m, 4.5% of its largest v. An element near its
-    block's largest (those with the largest gradients, which move the loss most) then steps by
-    a fraction e = 1.6% + 4.5% / 2 = 3.9% (one standard deviation; 4 of them: 15%) differently;
-    as in tests/test_backend.py's adam_stats_tolerance, a relative change e of the steps moves
-    the loss by at most e x what the steps moved it (< the first loss): 3 e. Elements far below
-    their block's largest carry larger relative errors but small gradients. The two runs'
-    float32 arithmetic is otherwise the same."""
-    g_m, g_v = 0.9 / 64, 0.9 / 128
-    sd_m = g_m / 2 / math.sqrt(1 - BETAS[0] ** 2)
-    sd_v = g_v / 2 * math.sqrt((1 - BETAS[1] ** (2 * UPDATES)) / (1 - BETAS[1] ** 2))
-    return 3 * 4 * (sd_m + sd_v / 2)
+#: the windows of updates compared with the rounding's spread (numerics.assert_within_noise):
+#: the early updates, where a systematic error shows before the noise has grown, and two later
+#: ones, each with its own spread (the runs drift apart as they go)
+WINDOWS = (range(3, 51), range(51, 101), range(101, UPDATES + 1))
 
 
 def test_eight_bit_adam_stats_train_within_their_rounding_of_float32_moments(trained):
     """--eight-bit-adam-stats against the same run with float32 moments, 200 updates: update 1
-    and 2 equal bit for bit (the first step reads no stored moment), every later update's loss
-    and gnorm within eight_bit_training_tolerance, and the runs do differ."""
+    and 2 equal bit for bit (the first step reads no stored moment); from update 3 on, loss and
+    gnorm within the noise of the rounding itself, measured in the same test: the spread
+    between the 8-bit run and the same run with other rounding draws, window by window
+    (numerics.assert_within_noise says why that and not a bound: none relative to an element
+    exists, the module docstring). A systematic error of the format (a wrong block maximum, a
+    moment read with another block's maximum, a code read as its neighbour) moves both 8-bit
+    runs alike away from float32 moments, by 20 times their spread or more in the first window
+    (tried by hand; the closing note of issue 46). And the runs do differ, and it trained."""
     ours, _ = trained(*EIGHT_BIT)
     assert "Adam's moments kept in 8bit between steps (--eight-bit-adam-stats)" in ours
-    got, want = per_update(ours), per_update(trained()[0])
-    assert sorted(got) == sorted(want) == list(range(1, UPDATES + 1))
+    reference, twin = trained()[0], trained(*EIGHT_BIT, other_draws=True)[0]
+    got, want = per_update(ours), per_update(reference)
+    assert sorted(got) == sorted(want) == sorted(per_update(twin)) == list(range(1, UPDATES + 1))
     assert got[1] == want[1] and got[2] == want[2], (got[1], want[1], got[2], want[2])
-    tolerance = eight_bit_training_tolerance()
-    worst = max(abs(float(x) - float(y)) / abs(float(y))
-                for n in got for x, y in zip(got[n], want[n]))
-    print(f"largest relative difference over {UPDATES} updates: {worst:.2e} "
-          f"(tolerance {tolerance:.2e} + the printed rounding)")
-    for n in range(3, UPDATES + 1):
-        for key, x, y in zip(("loss", "gnorm"), got[n], want[n]):
-            assert printed_close(x, y, tolerance, key), (n, got[n], want[n], tolerance)
+    assert per_update(twin) != got  # the twin drew other numbers
+    assert_within_noise(ours, reference, twin, WINDOWS)
     assert got != want
     assert float(got[UPDATES][0]) < 0.6 * float(got[1][0])  # it trained
 

@@ -7,8 +7,9 @@ import torch
 from conftest import PLUGIN, REPO, stock_ddp, train_args_for
 from launcher import (FORKED_WORKER, free_port, ok, run_command, run_ranks, start_torchrun,
                       train_inner)
-from numerics import (BF16_MOMENT, FP16_MOMENT, FP32_REORDERED, U16, U32, U_BF16,
-                      assert_runs_close, moment_rounding_step_error, per_update, printed_close)
+from numerics import (FP16_MOMENT, FP32_REORDERED, U16, U32, U_BF16, assert_runs_close,
+                      assert_within_noise, moment_rounding_step_error, per_update,
+                      printed_close, printed_half_unit)
 
 FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1"]
 
@@ -21,17 +22,22 @@ def series(output, key):
 def runs(corpus, tmp_path_factory):
     """2-rank runs of the tiny model, each made once and shared by the tests that compare
     them: runs(name, *flags, updates=N, stock=False, save=False) -> rank 0's output; a run
-    with save=True keeps its checkpoints in runs.save_dirs[flags]."""
+    with save=True keeps its checkpoints in runs.save_dirs[flags]; other_draws=True: the same
+    run with other random numbers for the stochastic rounding of Adam's moments."""
     done = {}
 
-    def run(*flags, updates, stock=False, save=False):
-        key = (tuple(map(str, flags)), updates, stock, save)
+    def run(*flags, updates, stock=False, save=False, other_draws=False):
+        key = (tuple(map(str, flags)), updates, stock, save, other_draws)
         if key not in done:
             save_dir = tmp_path_factory.mktemp("run")
+            # other_draws: the moments' stochastic rounding draws other numbers
+            # (tests/probes/other_rounding_draws.py)
+            probe = {"module": "other_rounding_draws",
+                     "env": {"PYTHONPATH": str(REPO / "tests" / "probes")}} if other_draws else {}
             # stock: fairseq alone, no --user-dir (conftest.train_args_for)
             done[key] = ok(run_ranks(2, lambda r: train_args_for(
                 corpus, save_dir, *(stock_ddp(r, 2) if stock else FSDP2), *flags,
-                updates=updates, save=save, plugin=not stock)))
+                updates=updates, save=save, plugin=not stock), **probe))
             if save:
                 run.save_dirs[key[0]] = save_dir
         return done[key]
@@ -157,22 +163,39 @@ def test_fp16_overflow_skips_on_every_rank_and_trains(train_args):
     assert losses[-1] < losses[0] - 0.5
 
 
-def precision_tolerance(u: float, runs_rounding: int = 2) -> float:
-    """Relative tolerance for the printed loss and gnorm of a reduced-precision run against
-    another run of the same model and data (see the tests below for what each run rounds):
-    EMPIRICAL, runs_rounding x 3 x STAGES x u.
+def precision_tolerance(u: float, runs_rounding: int = 2, update: int = 2) -> float:
+    """Relative tolerance for the printed loss and gnorm of update ``update`` of a
+    reduced-precision run against another run of the same model and data (see the tests below
+    for what each run rounds): an ESTIMATE from the per-operation rounding, runs_rounding x
+    STAGES x u at update 1, twice that from update 2 on.
 
     The forward and backward of the tiny model pass through STAGES stages that round their
     result to the compute format (embedding, 2 encoder layers x (self-attention, FFN),
     2 decoder layers x (self-attention, cross-attention, FFN), output projection; matmuls
-    accumulate in fp32 and the loss's log-softmax is fp32 in both). One unit roundoff u per
-    stage, the error entering Adam's m / sqrt(v) twice and moving the loss by at most what the
-    steps moved it, gives that figure as an estimate, not a bound: layer norms divide by a
-    standard deviation, softmax exponentiates and Adam normalises small gradient elements, so
-    a rounding can be amplified beyond u. Measured over these 20 updates (AMD EPYC, Zen 2):
-    fp16 against stock 1.7e-3 (tolerance 3.5e-2: margin 20), bf16 against fp32 3.5e-3
-    (tolerance 1.4e-1: margin 40)."""
-    return runs_rounding * 3 * STAGES * u
+    accumulate in fp32 and the loss's log-softmax is fp32 in both): one rounding of relative u
+    per stage, carried to the printed loss and gradient norm (sums over many elements) without
+    amplification. Update 1 computes from the same weights in both runs: that rounding alone.
+    From update 2 on the steps differ by that fraction of themselves (Adam's m / sqrt(v) of a
+    gradient off by a fraction moves by at most that fraction), which moves the loss by that
+    fraction of what the steps moved it (less than the loss itself over these 20 updates):
+    the same again. An estimate, not a bound: layer norms divide by a standard deviation and
+    softmax exponentiates, so one element's rounding can be amplified; the printed sums are far
+    less sensitive. Measured over these 20 updates (AMD EPYC): every difference within the
+    printed rounding (3 decimals), against 4.7% for bf16 at update 1. A gradient whose scale
+    is 10% off moves the gradient norm by 10% at update 1 (Adam's steps barely: the loss does
+    not show it) and fails it (tried by hand: the closing note of issue 46)."""
+    return runs_rounding * STAGES * u * (1 if update == 1 else 2)
+
+
+def assert_precision_close(got: str, want: str, u: float, runs_rounding: int,
+                           updates: int) -> None:
+    """Two runs' printed loss and gnorm, update by update within precision_tolerance."""
+    a, b = per_update(got), per_update(want)
+    assert sorted(a) == sorted(b) == list(range(1, updates + 1)), (sorted(a), sorted(b))
+    for n in a:
+        tolerance = precision_tolerance(u, runs_rounding, n)
+        for key, x, y in zip(("loss", "gnorm"), a[n], b[n]):
+            assert printed_close(x, y, tolerance, key), (n, key, a[n], b[n], tolerance)
 
 
 #: rounding stages of the tiny model (2+2 layers): 1 + 2 x 2 + 2 x 3 + 1
@@ -198,7 +221,7 @@ def test_fp16_equals_stock_fp16(runs):
     stock = runs(*ADAM, "--fp16", "--fp16-no-flatten-grads", updates=20, stock=True)
     assert_no_overflow(ours)
     assert_no_overflow(stock)  # else the runs would skip different updates
-    assert_runs_close(ours, stock, precision_tolerance(U16), 20)
+    assert_precision_close(ours, stock, U16, 2, 20)
     # and fp16 is not fp32: the comparison above is not of two fp32 runs
     assert per_update(ours) != per_update(runs(*ADAM, updates=20))
 
@@ -329,7 +352,7 @@ def test_bf16_against_fp32(runs, corpus, tmp_path):
     assert stock.returncode != 0 and "get_tpu_device" in stock.output, stock.output[-2000:]
     ours = runs(*ADAM, "--bf16", updates=20)
     fp32 = runs(*ADAM, updates=20)
-    assert_runs_close(ours, fp32, precision_tolerance(U_BF16, runs_rounding=1), 20)
+    assert_precision_close(ours, fp32, U_BF16, 1, 20)
     assert per_update(ours) != per_update(fp32)  # bf16 really computed in bf16
 
 
@@ -348,29 +371,32 @@ def test_bf16_reduction_within_its_rounding_of_fp32_reduction(runs):
                       U_BF16 + U32 + FP32_REORDERED, 20)
 
 
-def adam_stats_tolerance(u_compute: float, u_store: float, update: int) -> float:
-    """Relative tolerance for update ``update``'s printed loss and gnorm of a run whose Adam
-    moments are stored in 16 bits against the same run with float32 moments. The loss of
-    update n is computed from the weights of steps 1..n-1, and step t is at most
-    moment_rounding_step_error(u_store, t) x lr away from the float32 moments' step; as in
-    precision_tolerance, a relative change e of the steps moves the loss by at most e x what
-    the steps changed it by (< the first loss): 3 e relative. Once the weights differ, each
-    run's 16-bit compute rounds other values: precision_tolerance for both runs on top. A worst
-    case (every rounding aligned): measured differences are far smaller."""
-    steps = max(moment_rounding_step_error(u_store, t) for t in range(1, update))
-    return precision_tolerance(u_compute) + 3 * steps
+def fp16_adam_stats_tolerance(update: int, first_loss: float, loss: float) -> dict:
+    """Relative tolerances (key -> rel) for update ``update``'s printed loss and gnorm of the
+    --fp16-adam-stats run against the same run with float32 moments. DERIVED from the store's
+    rounding: the loss of update n is computed from the weights of steps 1..n-1, and step t is
+    at most e = moment_rounding_step_error(FP16_MOMENT, t) x lr away from the float32 moments'
+    step, a fraction e of an lr-sized step (Adam's steps are about lr in size); as for
+    FP32_REORDERED, a relative change e of the steps moves the loss by at most e x what the
+    steps moved it, and from the initial weights they moved a batch's loss by less than its
+    initial value (about ln of the vocabulary's size on every batch, which ``first_loss``,
+    update 1's, is): e x first_loss / loss. The gradient norm: 3 e (as the loss, with the loss
+    allowed to fall to a third of its start; to first order the gradient moves with the
+    weights as the loss does). A worst case (every rounding aligned): the runs' compute rounds
+    the same operations (their weights differ by that fraction of a step), and the printed
+    values measured here differ by their rounding alone. A stored scale 10% off moves every
+    step of an element by up to 10% and fails it at update 3 (tried by hand: the closing note
+    of issue 46)."""
+    e = max(moment_rounding_step_error(FP16_MOMENT, t) for t in range(1, update))
+    return {"loss": e * first_loss / loss, "gnorm": 3 * e}
 
 
-def assert_adam_stats_close(ours: str, float32_moments: str, u_compute: float, u_store: float,
-                            updates: int) -> None:
+def assert_bit_equal_first_updates(ours: str, float32_moments: str, updates: int) -> None:
+    """Both runs log updates 1..updates; step 1 uses no stored moment, so the weights of
+    updates 1 and 2 are the same, bit for bit, and so are their printed values."""
     got, want = per_update(ours), per_update(float32_moments)
     assert sorted(got) == sorted(want) == list(range(1, updates + 1))
-    # step 1 uses no stored moment: the weights of updates 1 and 2 are the same, bit for bit
     assert got[1] == want[1] and got[2] == want[2], (got, want)
-    for n in range(3, updates + 1):
-        tolerance = adam_stats_tolerance(u_compute, u_store, n)
-        for key, x, y in zip(("loss", "gnorm"), got[n], want[n]):
-            assert printed_close(x, y, tolerance, key), (n, got[n], want[n], tolerance)
 
 
 #: The run with fp16 moments: checkpoints at updates 10 and 20 (resumed below)
@@ -383,15 +409,31 @@ def test_fp16_adam_stats_train_within_fp16_rounding_of_float32_moments(runs):
     ours = runs(*FP16_STATS, updates=20, save=True)
     assert "Adam's moments kept in fp16 between steps (--fp16-adam-stats)" in ours
     assert_no_overflow(ours)
-    assert_adam_stats_close(ours, runs(*ADAM, "--fp16", updates=20), U16, FP16_MOMENT, 20)
+    reference = runs(*ADAM, "--fp16", updates=20)
+    assert_bit_equal_first_updates(ours, reference, 20)
+    got, want = per_update(ours), per_update(reference)
+    first_loss = float(want[1][0]) + printed_half_unit(want[1][0], "loss")
+    for n in range(3, 21):
+        tolerance = fp16_adam_stats_tolerance(n, first_loss, float(want[n][0]))
+        for key, x, y in zip(("loss", "gnorm"), got[n], want[n]):
+            assert printed_close(x, y, tolerance[key], key), (n, got[n], want[n], tolerance)
 
 
 def test_bf16_adam_stats_train_within_bf16_rounding_of_float32_moments(runs):
-    """--bf16 --bf16-adam-stats against the plugin's --bf16 run, 20 updates; each store
-    rounded stochastically is within one unit in the last place (BF16_MOMENT)."""
-    ours = runs(*ADAM, "--bf16", "--bf16-adam-stats", updates=20)
+    """--bf16 --bf16-adam-stats against the plugin's --bf16 run, 20 updates: updates 1 and 2
+    equal bit for bit, later ones within the noise of the stochastic rounding itself, measured
+    here: the spread between this run and the same run with other rounding draws
+    (numerics.assert_within_noise). The bound derived for a store (BF16_MOMENT, carried
+    through the steps: moment_rounding_step_error) is a worst case that grows to 15% of a
+    step by update 20, far above what a stored moment 10% off would move; the noise's spread
+    is not (tried by hand: the closing note of issue 46)."""
+    flags = (*ADAM, "--bf16", "--bf16-adam-stats")
+    ours = runs(*flags, updates=20)
     assert "Adam's moments kept in bf16 between steps (--bf16-adam-stats)" in ours
-    assert_adam_stats_close(ours, runs(*ADAM, "--bf16", updates=20), U_BF16, BF16_MOMENT, 20)
+    reference, twin = runs(*ADAM, "--bf16", updates=20), runs(*flags, updates=20, other_draws=True)
+    assert_bit_equal_first_updates(ours, reference, 20)
+    assert per_update(twin) != per_update(ours)  # the twin drew other numbers
+    assert_within_noise(ours, reference, twin, [range(3, 21)])
 
 
 def test_fp16_adam_stats_are_saved_in_fp16_and_resume_exactly(runs, corpus, tmp_path):

@@ -49,9 +49,9 @@ the lower over the gap, in float32; up x 2^16 is exact, the gap being divided by
 table); 0 and 1 exactly for up = 0 and 1. So a stored value's mean is above the exact one by at
 most 2^-16 of the gap, 1.5e-5 x 0.9 / 64 of its block's absmax: against the 0.1% per step by
 which a decaying second moment moves, nothing. Work is done a chunk of rows at a time (about
-CHUNK elements; CUDA_CHUNK on a GPU) in buffers allocated once per call (the int32 indices,
-float32 quotients and gathered map values, 16-bit draws): TEMPORARY_BYTES a chunk element, 5 MiB
-on CPU, 80 MiB on a GPU (allocated anew per chunk they cost a page fault per 4 KiB with
+CPU_CHUNK elements; CUDA_CHUNK on a GPU) in buffers allocated once (the int32 indices, float32
+quotients and gathered map values, 16-bit draws): WORK_BYTES a chunk element, 5 MiB on CPU, 80
+MiB on a GPU (allocated anew per chunk they cost a page fault per 4 KiB with
 MALLOC_MMAP_THRESHOLD_ set, more than the arithmetic).
 
 bitsandbytes is not used: its blocks are runs of a flattened tensor, not rows (see above); its
@@ -74,19 +74,26 @@ BLOCK = 256
 MIN_NUMEL = 4096
 #: elements quantized per chunk of rows (at least one row) on CPU: its temporaries stay in the
 #: cache (2^18 was the fastest of 2^14..2^21, one thread)
-CHUNK = 1 << 18
+CPU_CHUNK = 1 << 18
 #: on a GPU: each chunk launches about 20 kernels, and bandwidth, not the cache, is what counts
 #: (a chunk of 2^18 would make NLLB-3.3B's step about 50,000 launches)
 CUDA_CHUNK = 1 << 22
+#: bytes of temporaries per element of a chunk while quantizing: float32 quotients (padded rows)
+#: and gathered map values, int32 prefixes and indices, 16-bit draws: 18, and two float32 maxima
+#: per block; dequantizing needs fewer (int32 codes: 4)
+WORK_BYTES = 20
+#: what the estimator allows for these temporaries (estimator/ledger.py): CHUNK x
+#: TEMPORARY_BYTES = 128 MiB, a bound on what is used, chunk_elements(device) x WORK_BYTES: 5 MiB
+#: on CPU, 80 MiB on a GPU (it predicted the searchsorted version's, whose chunks these were)
+CHUNK = 1 << 21
+TEMPORARY_BYTES = 64
 
 
 def chunk_elements(device: torch.device) -> int:
-    """Elements quantized at a time on ``device`` (its temporaries: TEMPORARY_BYTES each)."""
-    return CHUNK if device.type == "cpu" else CUDA_CHUNK
-#: at most this many bytes of temporaries per element of a chunk while quantizing: float32
-#: quotients (padded rows) and gathered map values, int32 prefixes and indices, 16-bit draws:
-#: 18, and two float32 maxima per block; dequantizing needs fewer (int32 codes: 4)
-TEMPORARY_BYTES = 20
+    """Elements quantized at a time on ``device`` (its temporaries: WORK_BYTES each)."""
+    return CPU_CHUNK if device.type == "cpu" else CUDA_CHUNK
+
+
 DECADES = 7
 #: bits of a float32's pattern that index the tables (sign, exponent, 7 of the significand)
 PREFIX_BITS = 16
@@ -256,7 +263,7 @@ def _negative(x: torch.Tensor) -> torch.Tensor:
 
 class _Workspace:
     """quantize's temporaries for ``blocks`` blocks (and dequantize's int32 codes). On CPU one
-    is kept between calls, the largest asked for (CHUNK elements' worth, 5 MiB, unless a single
+    is kept between calls, the largest asked for (CPU_CHUNK elements' worth, 5 MiB, unless a single
     row is longer): a new buffer costs a page fault per 4 KiB under MALLOC_MMAP_THRESHOLD_, 2.7
     us each on this project's machines (VMs), as long as quantizing 600 elements, so a
     workspace made per call cost as much as quantizing a 512 x 1024 shard. On a GPU the caching

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Adam's moments in fp32, bf16 (--bf16-adam-stats) and 8 bits (--eight-bit-adam-stats) at the
 real NLLB-600M dimensions on 2 CPU ranks (not a test): each rank's peak resident memory from
-outside the process (GNU time) beside the estimator's prediction
-(fairseq_fsdp2/benchmarks/adam_stats_600m.py says what it runs).
+outside the process (GNU time) beside the estimator's prediction, and the seconds per update and
+of the optimizer step (fairseq_fsdp2/benchmarks/adam_stats_600m.py says what it runs).
 
 Replaces the section between the markers in docs/benchmarks.md.
 
-  .venv/bin/python scripts/benchmark_adam_stats_600m.py     # about 15 minutes on 2 cores
+  .venv/bin/python scripts/benchmark_adam_stats_600m.py     # about 25 minutes on 2 cores
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=512)
-    parser.add_argument("--updates", type=int, default=2)
+    parser.add_argument("--updates", type=int, default=4,
+                        help="updates per setting (at least 2: the first is not timed)")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--report-only", metavar="JSON", default=None,
                         help="rewrite the report from a saved benchmark_adam_stats_600m.json")
@@ -34,7 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.updates < 2 and not args.report_only:
+        parser.error("--updates must be at least 2: the first update is not timed")
     return adam_stats_600m.main(args, command_of("scripts/benchmark_adam_stats_600m.py", argv))
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check: the `cuda` tests (tests/test_cuda.py) on a machine with an NVIDIA GPU, and
-# gpu_report.md, written whatever happens (docs/gpu_check.md).
+# The GPU check: the `cuda` tests (tests/test_cuda_step.py, tests/test_cuda.py) on a machine
+# with an NVIDIA GPU, and gpu_report.md, written whatever happens (docs/gpu_check.md).
 #
 #   bash scripts/gpu_check.sh prepare [X.Y]  here, with PyPI: .whl/ holds what the GPU
 #                                            machine's image lacks, for its Python (3.12)
@@ -17,8 +17,9 @@
 # GPU_CHECK_OUT (a folder that also gets the report and logs), GPU_CHECK_COMMIT (the commit,
 # where the copy has no .git), GPU_CHECK_ALLOW_CPU=1 (no GPU: every cuda test skips; the dry
 # run), GPU_CHECK_WHEELS, GPU_CHECK_WORK, GPU_CHECK_REPORT (default .whl/, .gpu-check/,
-# gpu_report.md), GPU_CHECK_TESTS (pytest arguments instead of `-m cuda tests/test_cuda.py`,
-# for this script's own tests), GPU_CHECK_TEST_TIMEOUT (a lower cap on the tests' seconds).
+# gpu_report.md), GPU_CHECK_TESTS (pytest arguments instead of `-m cuda
+# tests/test_cuda_step.py tests/test_cuda.py`, for this script's own tests),
+# GPU_CHECK_TEST_TIMEOUT (a lower cap on the tests' seconds).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -229,7 +230,7 @@ run_tests() {
   fi
   rep set "$work/test.json" state=running limit=$left --now started
   write_report
-  local args=(-m cuda tests/test_cuda.py)
+  local args=(-m cuda tests/test_cuda_step.py tests/test_cuda.py)
   [[ -n "${GPU_CHECK_TESTS:-}" ]] && read -r -a args <<<"$GPU_CHECK_TESTS"
   echo "[gpu_check] tests: at most $left s" >&2
   # in timeout's own process group: at the limit the tests' fairseq processes go too

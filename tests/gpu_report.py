@@ -275,6 +275,22 @@ def render(work: Path, repo: Path = REPO) -> str:
                   f"{r['error'] * 100:+.1f}% | {r['predicted_2gpu_gib']:.2f} |" for r in fitting]
     else:
         lines.append("Pending: no row measured (the tests that measure it did not run).")
+    step = [r for r in measured if r.get("table") == "step"]
+    lines += ["", "## The optimizer step with 8-bit Adam moments, NLLB-3.3B's dimensions, one GPU",
+              "", "Every parameter of `transformer_nllb_3_3b` (float32, float32 gradients) on one "
+              "GPU; the plugin's Adam with float32 and with 8-bit moments "
+              "(`--eight-bit-adam-stats`) over the same parameters, stepped in turn: the median "
+              "of the timed steps after the first (`tests/test_cuda_step.py`; issue 47's goal: "
+              "at most 1.5x); the 8-bit step's allocator peak above its start against the "
+              "estimator's step temporaries.", ""]
+    if step:
+        lines += ["| parameters | fp32 moments s | 8-bit s | ratio | 8-bit step peak GiB | "
+                  "predicted GiB | error |", "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['name']} ({r['elements'] / 1e9:.2f}B) | {r['fp32_step_s']:.3f} | "
+                  f"{r['eight_bit_step_s']:.3f} | {r['ratio']:.2f}x | {r['peak_gib']:.2f} | "
+                  f"{r['predicted_gib']:.2f} | {r['error'] * 100:+.1f}% |" for r in step]
+    else:
+        lines.append("Pending: not measured (the test did not run).")
     estimator = [r for r in measured if r.get("table", "estimator") == "estimator"]
     lines += ["", "## Estimator (`--device cuda`) against the measured allocator peak", "",
               "One GPU, FSDP2 per-layer plan, root reshard always, fp32 Adam; measured: the "

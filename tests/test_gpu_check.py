@@ -206,6 +206,24 @@ def test_report_lists_every_skipped_test_with_its_reason(tmp_path):
                                     "- `test_c`: (no reason given)"], section
 
 
+def test_report_gives_the_8_bit_step_row_or_says_it_is_pending(tmp_path):
+    """tests/test_cuda_step.py's row (record_row "step") in its own table, the ratio and the
+    peak's error as measured; none: pending."""
+    write_json(tmp_path / "build.json", {"state": "ok", "seconds": 80})
+    write_json(tmp_path / "test.json", {"state": "done", "exit": 0, "seconds": 9})
+    heading = "## The optimizer step with 8-bit Adam moments, NLLB-3.3B's dimensions, one GPU"
+    text = gpu_report.render(tmp_path, REPO)
+    assert heading in text and "Pending: not measured" in text.split(heading)[1].split("##")[0]
+    events(tmp_path / "estimates.jsonl", {
+        "table": "step", "name": "NLLB-3.3B, every parameter on one GPU",
+        "elements": 3_344_863_232, "fp32_step_s": 0.0812, "eight_bit_step_s": 0.3501,
+        "ratio": 4.312, "peak_gib": 5.102, "predicted_gib": 4.892, "error": -0.0412})
+    text = gpu_report.render(tmp_path, REPO)
+    assert ("| NLLB-3.3B, every parameter on one GPU (3.34B) | 0.081 | 0.350 | 4.31x | 5.10 | "
+            "4.89 | -4.1% |") in text
+    assert "Pending: not measured" not in text
+
+
 def test_report_of_a_failed_build_says_so_and_lists_no_test(tmp_path):
     write_json(tmp_path / "build.json", {"state": "failed", "error": "no torch"})
     text = gpu_report.render(tmp_path, REPO)

@@ -1,12 +1,16 @@
 """How Adam's moments are kept, at the real NLLB-600M dimensions on 2 CPU ranks (not a test):
 fp32 moments, ``--bf16-adam-stats`` and ``--eight-bit-adam-stats``, each with ``--bf16``
 compute and the recipe's memory settings (benchmarks/nllb600m.py's ``recipe``), ``--max-tokens
-512`` per rank, 2 updates.
+512`` per rank, 4 updates.
 
 Each rank's peak resident memory is measured from outside the process, as a scheduler sees it:
 GNU time's maximum RSS of each rank's process, with ``--log-interval`` longer than the run (the
 plugin resets the kernel's high-water mark at every log interval: docs/memory.md). Beside each,
-the estimator's prediction for the same command line. fp16 compute is not measured: on CPU it
+the estimator's prediction for the same command line. And the time: seconds per update and the
+optimizer step's own seconds (update_timers.py, imported by each rank first, prints them), the
+median over the updates after the first (the first creates the moments), the slower rank's; as
+wall time and as the rank's CPU time, which the other processes of a shared machine do not
+inflate (the ratios against fp32 moments are taken on CPU time). fp16 compute is not measured: on CPU it
 does not finish an update of this size in 25 minutes (shared/notes); bf16 holds the same bytes.
 
 Replaces the section between the markers in docs/benchmarks.md; scripts/benchmark_adam_stats_600m.py
@@ -15,8 +19,10 @@ parses the arguments.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
+import statistics
 import time
 from pathlib import Path
 
@@ -33,6 +39,26 @@ COMMON = ["--bf16", "--log-interval", "1000"]
 TIME = ["/usr/bin/time", "-f", "benchmark: max RSS %M KB"]
 RSS = re.compile(r"benchmark: max RSS (\d+) KB")
 KIB_PER_GIB = 2 ** 20
+#: imported by each rank first: prints an UPDATE line per update (its PREFIX; not imported
+#: here, as importing it patches fairseq's Trainer)
+TIMERS = "fairseq_fsdp2.benchmarks.update_timers"
+UPDATE = "UPDATE "
+
+
+def timings(outputs: list[str]) -> dict:
+    """Seconds per update and the optimizer step's, wall and CPU (update_timers.py), each the
+    median over the updates after the first, the slower rank's."""
+    keys = {"update_s": "s", "step_s": "optimizer_s", "update_cpu_s": "cpu_s",
+            "step_cpu_s": "optimizer_cpu_s"}
+    per_rank = []
+    for out in outputs:
+        rows = [json.loads(line[len(UPDATE):]) for line in out.splitlines()
+                if line.startswith(UPDATE)]
+        later = [r for r in rows if r["update"] > 1]
+        assert later, out[-2000:]
+        per_rank.append({k: statistics.median(r[v] for r in later) for k, v in keys.items()})
+    return {**{k: round(max(r[k] for r in per_rank), 2) for k in keys},
+            "updates_timed": len(later)}
 
 
 def command(data: Path, work: Path, args, flags: list[str]) -> list[str]:
@@ -44,7 +70,8 @@ def measure_setting(data: Path, work: Path, args, flags: list[str]) -> dict:
     train = command(data, work, args, flags)
     prediction = predicted(train, args.ranks)
     t0 = time.time()
-    results = launch(args.ranks, lambda rank: train, args.timeout, wrapper=TIME)
+    results = launch(args.ranks, lambda rank: train, args.timeout, wrapper=TIME,
+                     preload=[TIMERS])
     stop_if_a_rank_failed(results)
     peaks = []
     for _, out in results:
@@ -52,6 +79,7 @@ def measure_setting(data: Path, work: Path, args, flags: list[str]) -> dict:
         assert len(found) == 1, out[-2000:]
         peaks.append(round(int(found[0]) / KIB_PER_GIB, 3))
     return {"peaks_gb": peaks, "predicted_gb": round(prediction.peak_gb, 3),
+            **timings([out for _, out in results]),
             "predicted_moment": prediction.classes[0].moment,
             "wall_s": round(time.time() - t0, 1), "load": os.getloadavg()[0]}
 
@@ -68,17 +96,36 @@ def report(rows: dict, info: dict, meta: dict) -> str:
         f"{meta['max_tokens']}` per rank, {meta['updates']} updates, `--log-interval 1000`. "
         f"Measured from outside: GNU time's maximum resident set of each rank's process "
         f"(`/usr/bin/time -f %M`). Predicted: `python -m fairseq_fsdp2.estimate` with the "
-        f"same command line, `--world-size {meta['ranks']} --seq-len {SEQ}`.", "",
-        "| Adam's moments | rank 0 GiB | rank 1 GiB | predicted GiB |",
-        "|---|---:|---:|---:|"]
+        f"same command line, `--world-size {meta['ranks']} --seq-len {SEQ}`. Time: each "
+        f"update (fairseq's `train_step`) and the optimizer's step within it "
+        f"(`FairseqOptimizer.step`), timed in each rank (`benchmarks/update_timers.py`): the "
+        f"median over updates 2-{meta['updates']}, the slower rank's, as wall time and as the "
+        f"rank's CPU time (`time.process_time`: not inflated by other processes on the "
+        f"machine; waits in collectives do not count); load average "
+        + ", ".join(f"{row['load']:.1f}" for row in rows.values()) + " at the settings' ends.",
+        "",
+        "| Adam's moments | rank 0 GiB | rank 1 GiB | predicted GiB | s per update | "
+        "CPU s per update | optimizer step s | optimizer step CPU s | update CPU vs fp32 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    base = next(iter(rows.values())).get("update_cpu_s")
     for name, row in rows.items():
         cells = " | ".join(f"{p:.2f}" for p in row["peaks_gb"])
-        lines.append(f"| {name} | {cells} | {row['predicted_gb']:.2f} |")
+        timed = (f" {row['update_s']:.1f} | {row['update_cpu_s']:.1f} | {row['step_s']:.2f} | "
+                 f"{row['step_cpu_s']:.2f} | {row['update_cpu_s'] / base:.2f}x |"
+                 if base else " - | - | - | - | - |")
+        lines.append(f"| {name} | {cells} | {row['predicted_gb']:.2f} |{timed}")
     if EIGHT_BIT_FLAG in rows and "--bf16-adam-stats" in rows:
         saved = max(rows["--bf16-adam-stats"]["peaks_gb"]) - max(rows[EIGHT_BIT_FLAG]["peaks_gb"])
         lines += ["", f"8-bit moments save {saved:.2f} GiB per rank against 16-bit ones (a byte "
                       f"per moment element less: 615.1M x 2 bytes / {meta['ranks']} ranks = "
                       f"{615.1e6 * 2 / meta['ranks'] / 2 ** 30:.2f} GiB, less the block maxima)."]
+    if base and EIGHT_BIT_FLAG in rows:
+        eight, fp32 = rows[EIGHT_BIT_FLAG], next(iter(rows.values()))
+        lines += ["", f"8-bit moments cost {eight['update_cpu_s'] - base:.1f} CPU s per update "
+                      f"more than float32 ones ({eight['update_cpu_s'] / base:.2f}x; the goal, "
+                      f"issue 47: 1.15x at most), "
+                      f"{eight['step_cpu_s'] - fp32['step_cpu_s']:.1f} s of it in the optimizer "
+                      f"step; in wall time {eight['update_s'] / fp32['update_s']:.2f}x."]
     lines += ["", "The estimator places each peak at "
               + "; ".join(f"{name}: {row['predicted_moment']}" for name, row in rows.items())
               + ".", "", END]

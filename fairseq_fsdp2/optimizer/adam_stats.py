@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..sharding.mesh import comm_device, local_part
-from .blockwise_8bit import dequantize, quantize, rows_like
+from .blockwise_8bit import abs_max, dequantize, quantize, rows_like
 from .local_shard_step import ELEMENTWISE, mix_into
 from .row_chunk_step import (ABSMAX_KEYS, MOMENTS, SCALE_KEYS, SIGNED, SIXTEEN_BIT,
                              RowChunkSteps, like, shard_coordinate, shard_dims, stream_seed)
@@ -304,7 +304,7 @@ class SixteenBitMoments(RowChunkSteps):
             peaks = torch.stack([_full(torch.norm(m, float("inf"))) for m in moments])
         else:
             locals_ = [local_part(m) for m in moments]
-            peaks = torch.stack([torch.norm(m, float("inf")) if m.numel() else
+            peaks = torch.stack([abs_max(m) if m.numel() else
                                  m.new_zeros(()) for m in locals_])
             p = bucket[0][1]
             if isinstance(p, DTensor):

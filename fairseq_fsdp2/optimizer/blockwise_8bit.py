@@ -32,9 +32,31 @@ need:
   3.25e-7 of its block's absmax): Adam divides by sqrt(v) + eps, and an element of v rounded
   to 0 would step by m / eps.
 
-Work is done a chunk of rows at a time (about CHUNK elements): the temporaries (int64 indices,
-float32 quotients and random numbers) stay below CHUNK x TEMPORARY_BYTES = 128 MiB whatever the
-parameter's size.
+How it is fast (eager tensor operations, no search, no compiler: about 20x the speed of
+``torch.searchsorted`` over the map with a float32 random number per element, and the same
+neighbours and rounding law; scripts/benchmark_moment_storage.py measures it). A float32
+quotient's lower neighbour in the map follows from the top 16 bits of its bit pattern (sign,
+exponent, 7 bits of significand): ``_Tables`` holds, for each of the 65536 prefixes, the lower
+neighbour's index of the prefix's least float, and the one map value (if any) that lies within
+the prefix's range: the map's values are at least 0.7% apart relative to themselves, more than a
+prefix spans where they lie (2^-8 of a float in [0.5, 1)), so no prefix holds two (checked when
+the tables are built). One compare against that value finishes the search exactly, as
+``searchsorted`` would (tests/test_quantize_law.py compares both at every map value and its
+float32 neighbours). The random numbers are 16-bit integers, four from each 64-bit draw of the
+caller's generator: the upper neighbour is taken when d < up x 2^16 for d uniform on 0..65535,
+that is with probability ceil(up x 2^16) / 2^16, from up to up + 2^-16 (up: the distance from
+the lower over the gap, in float32; up x 2^16 is exact, the gap being divided by 2^16 in the
+table); 0 and 1 exactly for up = 0 and 1. So a stored value's mean is above the exact one by at
+most 2^-16 of the gap, 1.5e-5 x 0.9 / 64 of its block's absmax: against the 0.1% per step by
+which a decaying second moment moves, nothing. Work is done a chunk of rows at a time (about
+CPU_CHUNK elements; CUDA_CHUNK on a GPU) in buffers allocated once (the int32 indices, float32
+quotients and gathered map values, 16-bit draws): WORK_BYTES a chunk element, 5 MiB on CPU, 80
+MiB on a GPU (allocated anew per chunk they cost a page fault per 4 KiB with
+MALLOC_MMAP_THRESHOLD_ set, more than the arithmetic).
+
+bitsandbytes is not used: its blocks are runs of a flattened tensor, not rows (see above); its
+stochastic rounding lives in its CUDA kernels, and its 8-bit optimizers update the moments
+themselves (we step with fairseq's Adam); no CPU path of it takes row-aligned blocks.
 """
 from __future__ import annotations
 
@@ -43,7 +65,6 @@ from functools import lru_cache
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 #: elements per block (bitsandbytes' and torchao's block size)
@@ -51,13 +72,33 @@ BLOCK = 256
 #: tensors with fewer elements (whole parameter, not shard) keep float32 moments, as
 #: bitsandbytes' min_8bit_size; so do 1-D ones (biases, layer norms: few elements)
 MIN_NUMEL = 4096
-#: elements quantized per chunk of rows (at least one row)
+#: elements quantized per chunk of rows (at least one row) on CPU: its temporaries stay in the
+#: cache (2^18 was the fastest of 2^14..2^21, one thread)
+CPU_CHUNK = 1 << 18
+#: on a GPU: each chunk launches about 20 kernels, and bandwidth, not the cache, is what counts
+#: (a chunk of 2^18 would make NLLB-3.3B's step about 50,000 launches)
+CUDA_CHUNK = 1 << 22
+#: bytes of temporaries per element of a chunk while quantizing: float32 quotients (padded rows)
+#: and gathered map values, int32 prefixes and indices, 16-bit draws: 18, and two float32 maxima
+#: per block; dequantizing needs fewer (int32 codes: 4)
+WORK_BYTES = 20
+#: what the estimator allows for these temporaries (estimator/ledger.py): CHUNK x
+#: TEMPORARY_BYTES = 128 MiB, a bound on what is used, chunk_elements(device) x WORK_BYTES: 5 MiB
+#: on CPU, 80 MiB on a GPU (it predicted the searchsorted version's, whose chunks these were)
 CHUNK = 1 << 21
-#: at most this many bytes of temporaries per element of a chunk while quantizing (int64
-#: indices and codes, float32 quotients, neighbours and random numbers, a padded copy): 56,
-#: rounded up; dequantizing needs fewer (an int64 index and float32 values: 16)
 TEMPORARY_BYTES = 64
+
+
+def chunk_elements(device: torch.device) -> int:
+    """Elements quantized at a time on ``device`` (its temporaries: WORK_BYTES each)."""
+    return CPU_CHUNK if device.type == "cpu" else CUDA_CHUNK
+
+
 DECADES = 7
+#: bits of a float32's pattern that index the tables (sign, exponent, 7 of the significand)
+PREFIX_BITS = 16
+#: the upper neighbour is taken when a 16-bit draw d (on 0..65535) < up x DRAWS
+DRAWS = float(1 << 16)
 
 
 @lru_cache(maxsize=None)
@@ -105,8 +146,58 @@ def rows_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
                               shape=torch.Size(shape), stride=(shape[1], 1))
 
 
-def _row_chunks(rows: int, row: int):
-    step = max(1, CHUNK // max(row, 1))
+class _Tables:
+    """For each 16-bit prefix of a float32 pattern (read as 0..65535): ``low``, the index of the
+    lower neighbour in the map (clamped to 0..254, as the upper is low + 1) of the prefix's
+    least float; ``after``, a float32 ``b`` such that the prefix's floats above ``b`` have the
+    next index (the largest float below the map value inside the prefix's range), or +inf.
+    For the unsigned map the least positive float counts as a map value with code 1's index:
+    a positive second moment's quotient below the least positive map value then has lower
+    neighbour 1 and rounds to it (never to 0). And per index: the map value and its gap to
+    the next (1 - q[254] for 254)."""
+
+    def __init__(self, signed: bool, device: torch.device):
+        q = torch.tensor(_map_values(signed), dtype=torch.float64)
+        bounds = q.clone()
+        if not signed:
+            bounds[1] = torch.tensor(1, dtype=torch.int32).view(torch.float32).double()
+        prefix = torch.arange(1 << PREFIX_BITS, dtype=torch.int64)
+        patterns = torch.stack([prefix << 16, (prefix << 16) | 0xFFFF]) - \
+            (prefix >= 1 << 15).long() * (1 << 32)  # as int32 values
+        ends = patterns.to(torch.int32).view(torch.float32).double()
+        # inf and NaN patterns: as values beyond the map, of their sign (quotients are finite)
+        ends = torch.where(ends.isfinite(), ends, torch.copysign(torch.tensor(2.0), ends))
+        least, most = ends.amin(0), ends.amax(0)
+
+        def index(x):
+            return (torch.searchsorted(bounds, x, right=True) - 1).clamp_(0, 254)
+        low, high = index(least), index(most)
+        assert ((high - low) <= 1).all(), "a prefix holds two map values"
+        crossing = bounds[high].float()
+        after = torch.nextafter(crossing, torch.tensor(-math.inf))
+        self.low = low.to(device, torch.int32)
+        self.after = torch.where(high > low, after, math.inf).to(device)
+        self.value = q.float().to(device)
+        gap = q.float().diff()  # as the float32 difference above - below
+        # divided by DRAWS (exact: a power of 2): the quotient is up x DRAWS; index 255 is never
+        # a lower neighbour
+        self.gap = (torch.cat([gap, gap[-1:]]) / DRAWS).to(device)
+
+
+@lru_cache(maxsize=None)
+def _tables(signed: bool, device: torch.device) -> _Tables:
+    return _Tables(signed, device)
+
+
+def abs_max(x: torch.Tensor) -> torch.Tensor:
+    """max |x| (a 0-d tensor; x not empty), as ``torch.norm(x, inf)`` but from one min-max
+    pass: on CPU the norm takes about 15x as long (fp16 moments' scale: adam_stats.py)."""
+    least, most = torch.aminmax(x)
+    return torch.maximum(most, least.neg()) + 0.0  # + 0.0: never -0.0
+
+
+def _row_chunks(rows: int, row: int, device: torch.device):
+    step = max(1, chunk_elements(device) // max(row, 1))
     for start in range(0, rows, step):
         yield start, min(rows, start + step)
 
@@ -120,30 +211,91 @@ def quantize(x: torch.Tensor, signed: bool, generator: torch.Generator,
         raise ValueError(f"expected a float32 tensor, got {x.dtype}")
     rows, blocks = absmax_shape(x.shape)
     row = math.prod(x.shape[1:])
-    qmap = dynamic_map(signed, x.device)
     if codes is None:
         codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     if absmax is None:
         absmax = torch.empty((rows, blocks), dtype=torch.float32, device=x.device)
+    if codes.numel() == 0:
+        return codes, absmax
+    tables = _tables(signed, x.device)
     flat, out = x.reshape(rows, row), codes.view(rows, row)
-    pad = blocks * BLOCK - row
-    for start, end in _row_chunks(rows, row):
-        part = flat[start:end]
-        part = F.pad(part, (0, pad)) if pad else part
+    step = max(1, chunk_elements(x.device) // max(row, 1))
+    work = _Workspace.at_least(min(step, rows) * blocks, x.device)
+    for start, end in _row_chunks(rows, row, x.device):
+        part, n = flat[start:end], (end - start) * blocks * BLOCK
+        scaled = work.f32a[:n].view(end - start, blocks * BLOCK)
+        if blocks * BLOCK != row:  # the last block of each row: zeros after the row's end
+            scaled[:, row:] = 0
+            scaled[:, :row] = part
+            part = scaled
         part = part.reshape(end - start, blocks, BLOCK)
-        peak = part.abs().amax(-1)
-        absmax[start:end] = peak
+        peak = absmax[start:end]
+        least = work.least[:(end - start) * blocks].view_as(peak)
+        torch.amax(part, -1, out=peak)
+        torch.amin(part, -1, out=least)
+        torch.maximum(peak, least.neg_().add_(0.0), out=peak)  # + 0.0: no -0.0 maxima
         # |x| <= peak, so the correctly rounded quotient lies in [-1, 1]
-        scaled = part / peak.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
-        low = (torch.searchsorted(qmap, scaled, right=True) - 1).clamp_(0, 254)
-        below, above = qmap[low], qmap[low + 1]
-        up = (scaled - below) / (above - below)  # < 0 below the signed map's least value
-        draw = torch.rand(scaled.shape, generator=generator, device=x.device)
-        code = low + (draw < up)
-        if not signed:  # a positive second moment never becomes 0 (see the docstring)
-            code = torch.where((code == 0) & (scaled > 0), 1, code)
-        out[start:end] = code.reshape(end - start, blocks * BLOCK)[:, :row]
+        torch.div(part, least.copy_(peak).clamp_min_(torch.finfo(torch.float32).tiny)
+                  .unsqueeze(-1), out=scaled.view(end - start, blocks, BLOCK))
+        s = scaled.view(-1)
+        prefix, low, other = work.i32a[:n], work.i32b[:n], work.f32b[:n]
+        torch.bitwise_right_shift(s.view(torch.int32), 32 - PREFIX_BITS, out=prefix)
+        prefix.bitwise_and_((1 << PREFIX_BITS) - 1)
+        torch.index_select(tables.low, 0, prefix, out=low)
+        torch.index_select(tables.after, 0, prefix, out=other)
+        low.sub_(_negative(other.sub_(s)))  # + 1 where s > after: searchsorted's neighbour
+        s.sub_(torch.index_select(tables.value, 0, low, out=other))
+        s.div_(torch.index_select(tables.gap, 0, low, out=other))  # up x DRAWS
+        draws = work.draws[:n // 4].random_(-1 << 63, None, generator=generator)
+        other.copy_(draws.view(torch.uint16))  # exact: integers below 2^16
+        low.sub_(_negative(other.sub_(s)))  # + 1 where d < up x DRAWS
+        out[start:end] = low.view(end - start, blocks * BLOCK)[:, :row]
     return codes, absmax
+
+
+def _negative(x: torch.Tensor) -> torch.Tensor:
+    """-1 (int32) where ``x`` (float32, overwritten) is negative, else 0: the sign bit,
+    spread by an arithmetic shift. A difference a - b of floats is negative exactly when a < b
+    (it is 0 only when they are equal, and rounding keeps its sign). Comparing and adding the
+    bool instead would convert it to a temporary int32 tensor per call."""
+    return x.view(torch.int32).bitwise_right_shift_(31)
+
+
+class _Workspace:
+    """quantize's temporaries for ``blocks`` blocks (and dequantize's int32 codes). On CPU one
+    is kept between calls, the largest asked for (CPU_CHUNK elements' worth, 5 MiB, unless a single
+    row is longer): a new buffer costs a page fault per 4 KiB under MALLOC_MMAP_THRESHOLD_, 2.7
+    us each on this project's machines (VMs), as long as quantizing 600 elements, so a
+    workspace made per call cost as much as quantizing a 512 x 1024 shard. On a GPU the caching
+    allocator keeps its blocks: one per call."""
+
+    kept: dict = {}  # torch.device("cpu") -> the kept workspace
+
+    @classmethod
+    def at_least(cls, blocks: int, device: torch.device) -> "_Workspace":
+        if device.type != "cpu":
+            return cls(blocks, device)
+        work = cls.kept.get(device)
+        if work is None or work.blocks < blocks:
+            work = cls.kept[device] = cls(blocks, device)
+        return work
+
+    @classmethod
+    def int32(cls, elements: int, device: torch.device) -> torch.Tensor:
+        """An int32 buffer of at least ``elements`` (dequantize's codes)."""
+        if device.type != "cpu":
+            return torch.empty(elements, dtype=torch.int32, device=device)
+        return cls.at_least(-(-elements // BLOCK), device).i32a
+
+    def __init__(self, blocks: int, device: torch.device):
+        self.blocks = blocks
+        n = blocks * BLOCK
+        self.f32a = torch.empty(n, dtype=torch.float32, device=device)
+        self.f32b = torch.empty(n, dtype=torch.float32, device=device)
+        self.i32a = torch.empty(n, dtype=torch.int32, device=device)
+        self.i32b = torch.empty(n, dtype=torch.int32, device=device)
+        self.draws = torch.empty(n // 4, dtype=torch.int64, device=device)  # BLOCK: 4 | n
+        self.least = torch.empty(blocks, dtype=torch.float32, device=device)
 
 
 def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool,
@@ -151,14 +303,24 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool,
     """The float32 values that ``codes`` and ``absmax`` (``quantize``'s) stand for."""
     rows, blocks = absmax_shape(codes.shape)
     row = math.prod(codes.shape[1:])
-    qmap = dynamic_map(signed, codes.device)
     if out is None:
         out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+    if out.numel() == 0:
+        return out
+    qmap = dynamic_map(signed, codes.device)
     flat, dest = codes.reshape(rows, row), out.view(rows, row)
-    pad = blocks * BLOCK - row
-    for start, end in _row_chunks(rows, row):
-        values = qmap[flat[start:end].long()]
-        values = F.pad(values, (0, pad)) if pad else values
-        values = values.view(end - start, blocks, BLOCK).mul_(absmax[start:end].unsqueeze(-1))
-        dest[start:end] = values.view(end - start, blocks * BLOCK)[:, :row]
+    step = max(1, chunk_elements(codes.device) // max(row, 1))
+    index = _Workspace.int32(min(step, rows) * row, codes.device)
+    for start, end in _row_chunks(rows, row, codes.device):
+        n = (end - start) * row
+        index[:n].view(end - start, row).copy_(flat[start:end])
+        values = torch.index_select(qmap, 0, index[:n], out=dest[start:end].view(-1))
+        scale = absmax[start:end].unsqueeze(-1)
+        if blocks * BLOCK == row:
+            values.view(end - start, blocks, BLOCK).mul_(scale)
+        else:  # whole blocks, then each row's last
+            rows_ = values.view(end - start, row)
+            whole = (blocks - 1) * BLOCK
+            rows_[:, :whole].view(end - start, blocks - 1, BLOCK).mul_(scale[:, :-1])
+            rows_[:, whole:].mul_(scale[:, -1])
     return out

@@ -32,6 +32,7 @@ from fairseq.distributed import utils as fairseq_distributed_utils
 
 from ..checkpoint.async_save import BackgroundSaves
 from ..errors import OptionError
+from ..optimizer.blockwise_8bit import release_workspaces
 from . import heartbeat, quiet
 from .heartbeat import Heartbeat
 
@@ -99,6 +100,7 @@ class RunContext:
                 signal.signal(signal.SIGTERM, self._sigterm)
         finally:
             quiet.remove(self._quiet)
+            release_workspaces()  # the 8-bit and bf16 moments' kept CPU buffers
             if _current is self:
                 _current = None
 

@@ -61,11 +61,14 @@ themselves (we step with fairseq's Adam); no CPU path of it takes row-aligned bl
 from __future__ import annotations
 
 import math
+import threading
 from functools import lru_cache
 from typing import Optional
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from .stochastic_round import release_draws
 
 #: elements per block (bitsandbytes' and torchao's block size)
 BLOCK = 256
@@ -269,15 +272,17 @@ class _Workspace:
     workspace made per call cost as much as quantizing a 512 x 1024 shard. On a GPU the caching
     allocator keeps its blocks: one per call."""
 
-    kept: dict = {}  # torch.device("cpu") -> the kept workspace
+    #: per thread (two threads quantizing at once never share one): the kept workspace;
+    #: dropped by release_workspaces at the end of a run (the process is the user's)
+    kept = threading.local()
 
     @classmethod
     def at_least(cls, blocks: int, device: torch.device) -> "_Workspace":
         if device.type != "cpu":
             return cls(blocks, device)
-        work = cls.kept.get(device)
+        work = getattr(cls.kept, "work", None)
         if work is None or work.blocks < blocks:
-            work = cls.kept[device] = cls(blocks, device)
+            work = cls.kept.work = cls(blocks, device)
         return work
 
     @classmethod
@@ -324,3 +329,10 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool,
             rows_[:, :whole].view(end - start, blocks - 1, BLOCK).mul_(scale[:, :-1])
             rows_[:, whole:].mul_(scale[:, -1])
     return out
+
+
+def release_workspaces() -> None:
+    """Drop the calling thread's kept CPU buffers (quantize's workspace, the bf16 rounding's
+    draws): a run's context calls it at the run's end (launch/run_context.py)."""
+    _Workspace.kept.__dict__.clear()
+    release_draws()

@@ -22,6 +22,7 @@ per 4 KiB, 2.7 us each on this project's machines, more than rounding the 4 KiB.
 """
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
@@ -61,16 +62,23 @@ def to_bf16_stochastic(x: torch.Tensor, generator: torch.Generator,
     return out
 
 
-_kept: dict = {}  # torch.device("cpu") -> (64-bit draws, int32 noise), CHUNK elements' worth
+#: per thread (two threads rounding at once never share them): (64-bit draws, int32 noise),
+#: CHUNK elements' worth, dropped by release_draws at the end of a run
+_kept = threading.local()
 
 
 def _buffers(size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(int64 draws for ``size`` elements, int32 noise of ``size``); on CPU kept between calls
     (the module docstring says why), on a GPU the caching allocator's."""
-    kept = _kept.get(device) if device.type == "cpu" else None
+    kept = getattr(_kept, "buffers", None) if device.type == "cpu" else None
     if kept is None or kept[1].numel() < size:
         kept = (torch.empty(-(-size // 4), dtype=torch.int64, device=device),
                 torch.empty(size, dtype=torch.int32, device=device))
         if device.type == "cpu":
-            _kept[device] = kept
+            _kept.buffers = kept
     return kept
+
+
+def release_draws() -> None:
+    """Drop the calling thread's kept CPU buffers (blockwise_8bit.release_workspaces)."""
+    _kept.__dict__.clear()

@@ -21,13 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import time
 from pathlib import Path
 
-from .harness import (NLLB_600M, SEQ, launch, measured_or_saved, predicted, replace_section,
-                      stop_if_a_rank_failed, train_args, versions)
+from .harness import (NLLB_600M, SEQ, TIME, launch, measured_or_saved, peaks_gb, predicted,
+                      replace_section, stop_if_a_rank_failed, train_args, versions)
 from .nllb600m import RECIPE_CHUNK, recipe
 
 BEGIN, END = "<!-- adam-stats-600m: begin -->", "<!-- adam-stats-600m: end -->"
@@ -36,9 +35,6 @@ EIGHT_BIT_FLAG = "--eight-bit-adam-stats"
 SETTINGS = {"fp32 moments": [], "--bf16-adam-stats": ["--bf16-adam-stats"],
             EIGHT_BIT_FLAG: [EIGHT_BIT_FLAG]}
 COMMON = ["--bf16", "--log-interval", "1000"]
-TIME = ["/usr/bin/time", "-f", "benchmark: max RSS %M KB"]
-RSS = re.compile(r"benchmark: max RSS (\d+) KB")
-KIB_PER_GIB = 2 ** 20
 #: imported by each rank first: prints an UPDATE line per update (its PREFIX; not imported
 #: here, as importing it patches fairseq's Trainer)
 TIMERS = "fairseq_fsdp2.benchmarks.update_timers"
@@ -73,11 +69,7 @@ def measure_setting(data: Path, work: Path, args, flags: list[str]) -> dict:
     results = launch(args.ranks, lambda rank: train, args.timeout, wrapper=TIME,
                      preload=[TIMERS])
     stop_if_a_rank_failed(results)
-    peaks = []
-    for _, out in results:
-        found = RSS.findall(out)
-        assert len(found) == 1, out[-2000:]
-        peaks.append(round(int(found[0]) / KIB_PER_GIB, 3))
+    peaks = peaks_gb(results)
     return {"peaks_gb": peaks, "predicted_gb": round(prediction.peak_gb, 3),
             **timings([out for _, out in results]),
             "predicted_moment": prediction.classes[0].moment,

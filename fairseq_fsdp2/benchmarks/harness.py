@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shlex
 import socket
 import subprocess
@@ -36,6 +37,23 @@ WORKER = [sys.executable, "-P", "-m", "fairseq_fsdp2.benchmarks.worker"]
 
 
 # -- data ------------------------------------------------------------------------------------
+
+#: GNU time around each rank's command: the rank's maximum resident set, one line at its end
+TIME = ["/usr/bin/time", "-f", "benchmark: max RSS %M KB"]
+RSS = re.compile(r"benchmark: max RSS (\d+) KB")
+KIB_PER_GIB = 2 ** 20
+
+
+def peaks_gb(results: list[tuple[int, str]]) -> list[float]:
+    """Each rank's maximum resident set in GiB (3 decimals), from the line TIME printed in its
+    output (launch's results, run with ``wrapper=TIME``)."""
+    peaks = []
+    for _, out in results:
+        found = RSS.findall(out)
+        assert len(found) == 1, out[-2000:]
+        peaks.append(round(int(found[0]) / KIB_PER_GIB, 3))
+    return peaks
+
 
 def make_corpus(root: Path, n_train: int) -> Path:
     """Random WORDS-word sentences over an NLLB-sized dictionary, binarized by fairseq."""

@@ -21,8 +21,8 @@ import re
 import time
 from pathlib import Path
 
-from .adam_stats_600m import COMMON, KIB_PER_GIB, RSS, TIME
-from .harness import (NLLB_600M, SEQ, launch, measured_or_saved, predicted,
+from .adam_stats_600m import COMMON
+from .harness import (NLLB_600M, SEQ, TIME, launch, measured_or_saved, peaks_gb, predicted,
                       replace_section, stop_if_a_rank_failed, train_args, versions)
 from .nllb600m import RECIPE_CHUNK, recipe
 
@@ -86,11 +86,7 @@ def measure_setting(data: Path, work: Path, args, flags: list[str]) -> dict:
     results = launch(args.ranks, lambda rank: command(data, work, args, flags), args.timeout,
                      wrapper=TIME)
     stop_if_a_rank_failed(results)
-    peaks = []
-    for _, out in results:
-        found = RSS.findall(out)
-        assert len(found) == 1, out[-2000:]
-        peaks.append(round(int(found[0]) / KIB_PER_GIB, 3))
+    peaks = peaks_gb(results)
     wps = WPS.findall(results[0][1])  # fairseq's end-of-epoch record (both updates)
     return {"flags": flags, "peaks_gb": peaks, "wall_s": round(time.time() - t0, 1),
             "wps": float(wps[-1]) if wps else None, "load": os.getloadavg()[0],

@@ -130,6 +130,14 @@ def train_args(corpus, tmp_path):
     return build
 
 
+def other_rounding_draws() -> dict:
+    """run_ranks' keywords for a fairseq-train run whose stochastic rounding of Adam's moments
+    draws other numbers (tests/probes/other_rounding_draws.py): the twin of a run, for
+    numerics.assert_within_noise."""
+    return {"module": "other_rounding_draws",
+            "env": {"PYTHONPATH": str(REPO / "tests" / "probes")}}
+
+
 def stock_ddp(rank: int, world: int) -> list[str]:
     """Stock fairseq's own multi-process CPU flags (see the platform notes)."""
     return STOCK_DDP + ["--distributed-world-size", str(world), "--distributed-rank", str(rank)]

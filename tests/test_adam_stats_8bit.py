@@ -37,7 +37,7 @@ import torch
 from fairseq.optim.adam import FairseqAdamConfig
 from omegaconf import OmegaConf
 
-from conftest import REPO, train_args_for
+from conftest import other_rounding_draws, train_args_for
 from launcher import ok, run_command, run_ranks
 from numerics import U32, assert_within_noise, per_update
 
@@ -254,8 +254,7 @@ def trained(corpus, tmp_path_factory):
         key = (flags, ranks, updates, other_draws)
         if key not in done:
             save_dir = tmp_path_factory.mktemp("run")
-            probe = {"module": "other_rounding_draws",
-                     "env": {"PYTHONPATH": str(REPO / "tests" / "probes")}} if other_draws else {}
+            probe = other_rounding_draws() if other_draws else {}
             done[key] = (ok(run_ranks(ranks, lambda r: train_args_for(
                 corpus, save_dir, *FSDP2, *WIDER, *flags, updates=updates,
                 save="--save-interval-updates" in flags), timeout=600, **probe)), save_dir)

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from conftest import PLUGIN, REPO, stock_ddp, train_args_for
+from conftest import PLUGIN, REPO, other_rounding_draws, stock_ddp, train_args_for
 from launcher import (FORKED_WORKER, free_port, ok, run_command, run_ranks, start_torchrun,
                       train_inner)
 from numerics import (FP16_MOMENT, FP32_REORDERED, U16, U32, U_BF16, assert_runs_close,
@@ -32,8 +32,7 @@ def runs(corpus, tmp_path_factory):
             save_dir = tmp_path_factory.mktemp("run")
             # other_draws: the moments' stochastic rounding draws other numbers
             # (tests/probes/other_rounding_draws.py)
-            probe = {"module": "other_rounding_draws",
-                     "env": {"PYTHONPATH": str(REPO / "tests" / "probes")}} if other_draws else {}
+            probe = other_rounding_draws() if other_draws else {}
             # stock: fairseq alone, no --user-dir (conftest.train_args_for)
             done[key] = ok(run_ranks(2, lambda r: train_args_for(
                 corpus, save_dir, *(stock_ddp(r, 2) if stock else FSDP2), *flags,

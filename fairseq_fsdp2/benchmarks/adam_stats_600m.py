@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .harness import (NLLB_600M, SEQ, TIME, launch, measured_or_saved, peaks_gb, predicted,
                       replace_section, stop_if_a_rank_failed, train_args, versions)
-from .nllb600m import RECIPE_CHUNK, recipe
+from .nllb600m import RECIPE_CHUNK, recipe, recipe_run_described
 
 BEGIN, END = "<!-- adam-stats-600m: begin -->", "<!-- adam-stats-600m: end -->"
 EIGHT_BIT_FLAG = "--eight-bit-adam-stats"
@@ -79,13 +79,7 @@ def measure_setting(data: Path, work: Path, args, flags: list[str]) -> dict:
 def report(rows: dict, info: dict, meta: dict) -> str:
     lines = [
         BEGIN, "## Adam's moments in 32, 16 and 8 bits: real NLLB-600M dimensions, 2 ranks", "",
-        f"Command: `{meta['command']}` ({meta['date']}). Machine: {info['cores']} cores "
-        f"({info['cpu']}), {info['memory_gib']} GiB; Python {info['python']}, torch "
-        f"{info['torch']}, fairseq-fixed {info['fairseq']}; gloo. `transformer_nllb_600m` "
-        f"(615.1M parameters, 256,206-word vocabulary), {meta['ranks']} ranks, the recipe's "
-        f"memory settings (FSDP2 per-layer, `--fsdp2-root-reshard always`, the chunked loss of "
-        f"{RECIPE_CHUNK} tokens, the tied-gradient buffer), `--bf16`, Adam, `--max-tokens "
-        f"{meta['max_tokens']}` per rank, {meta['updates']} updates, `--log-interval 1000`. "
+        recipe_run_described(info, meta) + ", `--log-interval 1000`. "
         f"Measured from outside: GNU time's maximum resident set of each rank's process "
         f"(`/usr/bin/time -f %M`). Predicted: `python -m fairseq_fsdp2.estimate` with the "
         f"same command line, `--world-size {meta['ranks']} --seq-len {SEQ}`. Time: each "

@@ -24,7 +24,7 @@ from pathlib import Path
 from .adam_stats_600m import COMMON
 from .harness import (NLLB_600M, SEQ, TIME, launch, measured_or_saved, peaks_gb, predicted,
                       replace_section, stop_if_a_rank_failed, train_args, versions)
-from .nllb600m import RECIPE_CHUNK, recipe
+from .nllb600m import RECIPE_CHUNK, recipe, recipe_run_described
 
 WPS = re.compile(r'"train_wps": "([0-9.]+)"')
 BEGIN, END = "<!-- lora-600m: begin -->", "<!-- lora-600m: end -->"
@@ -96,13 +96,7 @@ def measure_setting(data: Path, work: Path, args, flags: list[str]) -> dict:
 def report(rows: dict, info: dict, meta: dict, work: Path, args) -> str:
     lines = [
         BEGIN, "## LoRA against full fine-tuning: real NLLB-600M dimensions, 2 ranks", "",
-        f"Command: `{meta['command']}` ({meta['date']}). Machine: {info['cores']} cores "
-        f"({info['cpu']}), {info['memory_gib']} GiB; Python {info['python']}, torch "
-        f"{info['torch']}, fairseq-fixed {info['fairseq']}; gloo. `transformer_nllb_600m` "
-        f"(615.1M parameters, 256,206-word vocabulary), {meta['ranks']} ranks, the recipe's "
-        f"memory settings (FSDP2 per-layer, `--fsdp2-root-reshard always`, the chunked loss of "
-        f"{RECIPE_CHUNK} tokens, the tied-gradient buffer), `--bf16`, Adam, `--max-tokens "
-        f"{meta['max_tokens']}` per rank, {meta['updates']} updates from a random "
+        recipe_run_described(info, meta) + " from a random "
         f"initialisation or from a bf16 stock checkpoint of it (`--finetune-from-model`), "
         f"`--log-interval 1000`, the settings run one after the other in one run (the load "
         f"average beside each: other work shared the machine). Peak: GNU time's maximum resident set of each rank's process "

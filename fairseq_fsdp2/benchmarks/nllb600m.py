@@ -31,6 +31,19 @@ def recipe(chunk: int) -> list[str]:
             "--loss-chunk-tokens", str(chunk)]
 
 
+def recipe_run_described(info: dict, meta: dict) -> str:
+    """The start of a 600M benchmark section's description: its command and date, the machine,
+    the model and the recipe's settings, through the updates run (the 8-bit moments' and
+    LoRA's benchmarks go on from there)."""
+    return (f"Command: `{meta['command']}` ({meta['date']}). Machine: {info['cores']} cores "
+            f"({info['cpu']}), {info['memory_gib']} GiB; Python {info['python']}, torch "
+            f"{info['torch']}, fairseq-fixed {info['fairseq']}; gloo. `transformer_nllb_600m` "
+            f"(615.1M parameters, 256,206-word vocabulary), {meta['ranks']} ranks, the recipe's "
+            f"memory settings (FSDP2 per-layer, `--fsdp2-root-reshard always`, the chunked loss "
+            f"of {RECIPE_CHUNK} tokens, the tied-gradient buffer), `--bf16`, Adam, "
+            f"`--max-tokens {meta['max_tokens']}` per rank, {meta['updates']} updates")
+
+
 def floor_gb(model, world: int) -> dict:
     """The analytic floor per rank, by part (GiB)."""
     from ..estimator.peak import cpu_baseline_bytes

@@ -1,0 +1,129 @@
+"""One rank of tests/test_tied_early_reduce.py: the tied embedding's sharded gradient with the
+early reduce (sharding/tied_grad_reduce.py) against FSDP2's own reduction of the hub's buffer.
+Prints one ``PROBE {json}``.
+
+Per case, two copies of a small model with one weight tied three ways (two lookups and an
+output projection, as an NLLB encoder-decoder uses its embedding), the same weights on every
+rank, sharded alike (the tied modules one grouped unit, the layer one, the root) with the
+plugin's gloo collectives; one copy gets the reducer. Each rank runs its own batch (other
+tokens per rank, and other counts), forward and backward twice (FSDP2's lazy initialization in
+between; gradients zeroed between, as fairseq does), then a third backward onto the kept
+gradient (accumulation). Reported per case: the two sharded gradients' largest difference, the
+largest sum of absolute terms per element (what the rounding bound scales with), dtypes,
+placements, and whether FSDP2 saw no unsharded gradient on the reduced copy.
+
+Argument: the mesh shape (``2`` or ``2x2``: HSDP, replicate x shard)."""
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from probe_report import report_and_exit
+
+from fairseq_fsdp2.criterions.fused import fused_vocabulary_loss
+from fairseq_fsdp2.sharding import gloo_collectives, tied_grad_buffer, tied_grad_reduce
+from fairseq_fsdp2.sharding.narrow_grads import keep_reduce_dtype_grads
+
+PAD = 1
+
+
+class Tied(nn.Module):
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        self.src = nn.Embedding(vocab, dim, padding_idx=PAD)
+        self.tgt = nn.Embedding(vocab, dim, padding_idx=PAD)
+        self.layer = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        self.tgt.weight = self.src.weight
+        self.out.weight = self.src.weight
+
+    def forward(self, src, tgt, fused: bool, scale: float):
+        h = torch.tanh(self.layer(self.src(src).mean(1, keepdim=True) + self.tgt(tgt)))
+        h = h.reshape(-1, h.size(-1))
+        target = tgt.reshape(-1).flip(0)
+        if fused:
+            weight, hub = self.out.tied_gradient.alias(self.out.weight)
+            loss = fused_vocabulary_loss(h, weight, target, eps=0.1, chunk_tokens=7,
+                                         grad_scale=scale, hub=hub)[0]
+            return loss
+        logits = self.out(h).float()
+        return F.cross_entropy(logits, target, reduction="sum") * scale
+
+
+def build(mesh, vocab, dim, dtype, early, chunk_bytes):
+    torch.manual_seed(0)
+    model = Tied(vocab, dim)
+    tied_grad_buffer.install(model)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype) \
+        if dtype != torch.float32 else MixedPrecisionPolicy()
+    fully_shard([model.src, model.tgt, model.out], mesh=mesh, mp_policy=policy)
+    fully_shard(model.layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    gloo_collectives.install(model, mesh.get_group(mesh.ndim - 1))
+    if dtype != torch.float32:
+        keep_reduce_dtype_grads(model)
+    if early:
+        assert tied_grad_reduce.install(model) == 1
+        model.out.tied_gradient.reducer.row_chunk_bytes = chunk_bytes
+    return model
+
+
+def batch(vocab, rank, step, tokens):
+    g = torch.Generator().manual_seed(100 * rank + step)
+    n = tokens + 3 * rank  # other counts per rank (the rows' exchange pads them)
+    src = torch.randint(2, vocab, (2, n), generator=g)
+    tgt = torch.randint(2, vocab, (2, n), generator=g)
+    src[0, -1] = PAD  # a padding lookup: no gradient row
+    return src, tgt
+
+
+def run_case(mesh, vocab, dim, dtype, fused, tokens, chunk_bytes):
+    rank = dist.get_rank()
+    scale = 64.0 if dtype == torch.float16 else 1.0  # a loss scale, as fairseq's --fp16
+    models = [build(mesh, vocab, dim, dtype, early, chunk_bytes) for early in (True, False)]
+    grads = []
+    for m in models:
+        for step in range(3):
+            if step < 2:
+                m.zero_grad(set_to_none=True)
+            src, tgt = batch(vocab, rank, step, tokens)
+            m(src, tgt, fused, scale).backward()
+        grads.append(m.src.weight.grad)
+    ours, fsdp2 = grads
+    # the terms' scale: the largest gradient element of the stock path's local sum, times the
+    # number of terms summed per element across ranks, bounded by the whole sum's magnitude
+    a, b = ours.to_local().double(), fsdp2.to_local().double()
+    return {"diff": float((a - b).abs().max()), "scale": float(b.abs().max()),
+            "dtype": str(ours.to_local().dtype), "stock_dtype": str(fsdp2.to_local().dtype),
+            "dtensor": isinstance(ours, DTensor) and ours.placements == fsdp2.placements
+            and ours.shape == fsdp2.shape, "nonzero": bool(b.abs().sum() > 0)}
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    shape = [int(x) for x in sys.argv[1].split("x")]
+    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+    mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=names)
+    report = {}
+    # vocab 1001 (odd: padded rows) x dim 8, few tokens: the rows' exchange; vocab 37 with as
+    # many tokens: the rows folded into the dense path. chunk of 200 bytes: several calls.
+    cases = {"sparse fp32 fused": (1001, 8, torch.float32, True, 9),
+             "sparse fp32 unfused": (1001, 8, torch.float32, False, 9),
+             "dense fp32 fused": (37, 8, torch.float32, True, 40),
+             "sparse fp16 fused": (1001, 8, torch.float16, True, 9),
+             "sparse bf16 unfused": (1001, 8, torch.bfloat16, False, 9)}
+    if len(shape) == 2:
+        cases = {k: v for k, v in cases.items() if k in ("sparse fp32 fused",
+                                                         "sparse fp16 fused")}
+    for name, (vocab, dim, dtype, fused, tokens) in cases.items():
+        report[name] = run_case(mesh, vocab, dim, dtype, fused, tokens, 200)
+    report_and_exit(report, print_here=dist.get_rank() == 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -8,9 +8,10 @@ rank, sharded alike (the tied modules one grouped unit, the layer one, the root)
 plugin's gloo collectives; one copy gets the reducer. Each rank runs its own batch (other
 tokens per rank, and other counts), forward and backward twice (FSDP2's lazy initialization in
 between; gradients zeroed between, as fairseq does), then a third backward onto the kept
-gradient (accumulation). Reported per case: the two sharded gradients' largest difference, the
-largest sum of absolute terms per element (what the rounding bound scales with), dtypes,
-placements, and whether FSDP2 saw no unsharded gradient on the reduced copy.
+gradient (accumulation). Reported per case: the largest ratio of the two sharded gradients'
+difference to its rounding bound, per element (the bound from the terms each rank added:
+``Terms``), the same ratio for the lookups' rows alone (how far dropping them would land),
+dtypes and placements.
 
 Argument: the mesh shape (``2`` or ``2x2``: HSDP, replicate x shard)."""
 import sys
@@ -30,6 +31,45 @@ from fairseq_fsdp2.sharding import gloo_collectives, tied_grad_buffer, tied_grad
 from fairseq_fsdp2.sharding.narrow_grads import keep_reduce_dtype_grads
 
 PAD = 1
+UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+
+
+class Terms:
+    """Per element of the tied weight, what the ranks add into its gradient: the sum of the
+    terms' magnitudes (float64) and their count. The projection's part is one term per rank
+    and backward (both paths sum its chunks alike, into the same buffer); each lookup row is
+    one. Recorded through the hub's own calls (the original runs unchanged)."""
+
+    def __init__(self, vocab, dim):
+        self.absum = torch.zeros(vocab, dim, dtype=torch.float64)
+        self.rows_absum = torch.zeros(vocab, dim, dtype=torch.float64)
+        self.count = torch.zeros(vocab, 1, dtype=torch.float64)
+        self.on = False
+        state = tied_grad_buffer._HubState
+        done, add_rows = state.projection_done, state.add_rows
+        terms = self
+
+        def projection_done(hub):
+            if terms.on and hub.pending == 1 and hub.buffer is not None:
+                terms.absum += hub.buffer.double().abs()
+                terms.count += 1
+            done(hub)
+
+        def rows(hub, index, values):
+            if terms.on:
+                keep = values.double().abs()
+                terms.absum.index_add_(0, index, keep)
+                terms.rows_absum.index_add_(0, index, keep)
+                terms.count.index_add_(0, index, torch.ones(index.numel(), 1, dtype=torch.float64))
+            add_rows(hub, index, values)
+        state.projection_done, state.add_rows = projection_done, rows
+
+    def shard(self, reducer):
+        for t in (self.absum, self.rows_absum, self.count):
+            dist.all_reduce(t)
+        rows = slice(reducer.first_row, reducer.first_row + reducer.local_rows)
+        return (self.absum[rows] / reducer.divisor(), self.rows_absum[rows] / reducer.divisor(),
+                self.count[rows])
 
 
 class Tied(nn.Module):
@@ -82,7 +122,7 @@ def batch(vocab, rank, step, tokens):
     return src, tgt
 
 
-def run_case(mesh, vocab, dim, dtype, fused, tokens, chunk_bytes):
+def run_case(mesh, vocab, dim, dtype, fused, tokens, chunk_bytes, terms):
     rank = dist.get_rank()
     scale = 64.0 if dtype == torch.float16 else 1.0  # a loss scale, as fairseq's --fp16
     models = [build(mesh, vocab, dim, dtype, early, chunk_bytes) for early in (True, False)]
@@ -91,14 +131,26 @@ def run_case(mesh, vocab, dim, dtype, fused, tokens, chunk_bytes):
         for step in range(3):
             if step < 2:
                 m.zero_grad(set_to_none=True)
+            terms.on = m is models[0] and step > 0  # the terms of the gradient compared
             src, tgt = batch(vocab, rank, step, tokens)
             m(src, tgt, fused, scale).backward()
         grads.append(m.src.weight.grad)
+    terms.on = False
     ours, fsdp2 = grads
-    # the terms' scale: the largest gradient element of the stock path's local sum, times the
-    # number of terms summed per element across ranks, bounded by the whole sum's magnitude
+    absum, rows_absum, count = terms.shard(models[0].out.tied_gradient.reducer)
+    # DERIVED bound, per element: each path sums the same terms (count of them, magnitudes
+    # absum, over all ranks and both backward passes, divided as FSDP2 divides) in another
+    # order and grouping, each addition rounding by at most u (the coarsest format summed in:
+    # the compute/reduce dtype) of a partial sum bounded by absum; plus one rounding each of
+    # the result (the cast to the shard's dtype). Dividing by a power of 2 is exact. So the
+    # two differ by at most 2 x (count + 1) x u x absum.
+    bound = 2 * (count + 1) * UNIT_ROUNDOFF[dtype] * absum
     a, b = ours.to_local().double(), fsdp2.to_local().double()
-    return {"diff": float((a - b).abs().max()), "scale": float(b.abs().max()),
+    diff = (a - b).abs()
+    ratio = torch.where(bound > 0, diff / bound, diff * float("inf")).nan_to_num(0.0)
+    return {"ratio": float(ratio.max()),
+            "rows_ratio": float((rows_absum / bound.clamp_min(1e-300)).max()),
+            "diff": float(diff.max()), "scale": float(b.abs().max()),
             "dtype": str(ours.to_local().dtype), "stock_dtype": str(fsdp2.to_local().dtype),
             "dtensor": isinstance(ours, DTensor) and ours.placements == fsdp2.placements
             and ours.shape == fsdp2.shape, "nonzero": bool(b.abs().sum() > 0)}
@@ -121,7 +173,7 @@ def main() -> None:
         cases = {k: v for k, v in cases.items() if k in ("sparse fp32 fused",
                                                          "sparse fp16 fused")}
     for name, (vocab, dim, dtype, fused, tokens) in cases.items():
-        report[name] = run_case(mesh, vocab, dim, dtype, fused, tokens, 200)
+        report[name] = run_case(mesh, vocab, dim, dtype, fused, tokens, 200, Terms(vocab, dim))
     report_and_exit(report, print_here=dist.get_rank() == 0)
 
 

@@ -41,11 +41,13 @@ def check(report: dict) -> None:
         assert r["nonzero"] and r["dtensor"] and r["dtype"] == r["stock_dtype"], (case, r)
         # the lookups' rows weigh more than the bound somewhere: a gradient without them fails
         assert r["rows_ratio"] > 1.0, (case, r)
+        # the projection's vocab x dim part reduced and freed before the lookups' backward
+        assert r["freed_before_rows"], (case, r)
 
 
 def test_early_reduce_gives_fsdp2s_sharded_gradient():
     report = probe("2", 2)
-    assert len(report) == 5
+    assert len(report) == 6
     check(report)
     assert report["sparse fp16 fused"]["dtype"] == "torch.float16"  # the kept 16-bit shard
 

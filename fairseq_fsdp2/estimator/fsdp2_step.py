@@ -66,7 +66,7 @@ class _FSDP2Step:
         # part into the shard as backward starts, the lookups' rows kept and exchanged at its
         # end (when all ranks' rows gathered fit in the dense gradient's bytes, else densely)
         self.early = setup.tied_early_reduce and bool(self.embedding_grad)
-        self.rows_kept = self.row_count = 0
+        self.rows_kept = self.row_count = self.tied_shard = 0
         self.folded = False  # a rank's rows alone past the rule: added into a dense buffer
         V, d = profile.vocab, profile.embed_dim
         self.sparse = sparse_fits(setup.world_size * 2 * profile.workload.tokens, d, self.c, V)
@@ -162,39 +162,50 @@ class _FSDP2Step:
         self.reshard(name)
 
     def tied_reduce(self, why: str, dense_bytes: int) -> None:
-        """The tied weight's dense gradient (in "grads", ``dense_bytes``) reduced into this
-        rank's shard a chunk of rows at a time (tied_grad_reduce.TiedShardReducer.reduce_dense):
-        the padded output in the reduce dtype and one chunk's input alive with it, then the
-        output cast to the shard's dtype; the dense gradient freed. The shard stays in
-        "grads" unless one is there already (--update-freq > 1: added into it)."""
+        """The tied weight's dense gradient (in "grads", ``dense_bytes``, the compute dtype)
+        reduced into this rank's shard (tied_grad_reduce.TiedShardReducer.reduce_dense): its
+        own buffer the reduction's input where it is in the reduce dtype (on gloo all-reduced
+        in place, the local rows copied out; on NCCL when the shards are even), else copied a
+        chunk of rows at a time; then freed. The shard, in the reduce dtype, is held until the
+        end of backward (the first reduce creates it, a later one adds into it)."""
         V, d, led = self.p.vocab, self.p.embed_dim, self.led
         local_rows, padded_rows = shard_rows(V, self.shards, self.rank)
-        out = padded_rows * d * self.rb
-        chunk = self.shards * chunk_rows(self.shards, d, self.rb, padded_rows) * d * self.rb
+        gloo = self.s.device == "cpu"
+        in_place = self.c == self.rb and (gloo or V % self.shards == 0)
+        out = (local_rows if in_place and gloo else padded_rows) * d * self.rb
+        chunk = 0 if in_place else \
+            self.shards * chunk_rows(self.shards, d, self.rb, padded_rows) * d * self.rb
         led.moment(f"{why}: tied gradient reduced early", grads=out, comm=chunk)
-        kept = local_rows * d * (self.rb if self.s.narrow_grads or self.rb == 4 else 4)
-        if kept != local_rows * d * self.rb:
-            led.moment(f"{why}: tied gradient reduced early (output cast)", grads=out + kept)
         led.sub("grads", dense_bytes)
-        if self.s.update_freq == 1 or self.s.no_sync:
-            led.add("grads", kept)
+        if not self.tied_shard:
+            self.tied_shard = local_rows * d * self.rb
+            led.add("grads", self.tied_shard)
 
     def tied_rows_exchanged(self) -> None:
         """The end of backward: the lookups' rows (2 x T per rank) gathered from every rank
         with their indices, concatenated, padded, and this shard's picked and added; or, when
-        they do not fit the rule, a dense buffer built from them and reduced."""
+        they do not fit the rule, a dense buffer built from them and reduced. Then the shard
+        becomes the sharded gradient, cast to fp32 unless kept in the 16-bit reduce dtype."""
         p, led, c = self.p, self.led, self.c
         T, V, d = p.workload.tokens, p.vocab, p.embed_dim
         if self.sparse:
             gathered = self.s.world_size * 2 * T
             led.moment("backward: tied gradient's rows exchanged",
-                       grads=2 * T * d * c + gathered * (d * c + INDEX_BYTES) + gathered * d * 4)
+                       grads=2 * T * d * c + gathered * (d * c + INDEX_BYTES) + gathered * d * c)
         else:
             if not self.folded:
                 led.add("grads", V * d * c)
             self.tied_reduce("backward: tied gradient's rows", V * d * c)
         led.sub("grads", self.rows_kept)
         self.rows_kept = 0
+        local_rows = shard_rows(V, self.shards, self.rank)[0]
+        kept = local_rows * d * (self.rb if self.s.narrow_grads or self.rb == 4 else 4)
+        if kept != self.tied_shard:
+            led.moment("backward: tied gradient's shard cast to fp32", grads=kept)
+        led.sub("grads", self.tied_shard)
+        self.tied_shard = 0
+        if self.s.update_freq == 1:  # else added into the gradient of the earlier micro-batches
+            led.add("grads", kept)
 
     # -- the step ---------------------------------------------------------------------------------
     def run(self) -> Ledger:

@@ -50,6 +50,7 @@ class _HubState:
         self.pending = 0  # projection uses whose backward has not run yet
         self.rows: list[tuple[torch.Tensor, torch.Tensor]] = []  # the lookups' (index, rows)
         self.row_count = 0
+        self.shard: Optional[torch.Tensor] = None  # this rank's reduced shard (reduce dtype)
 
     def add_rows(self, index: torch.Tensor, rows: torch.Tensor) -> None:
         self.backward_started = True
@@ -74,9 +75,13 @@ class _HubState:
         """A projection use's contribution is complete; once all are, reduce them early."""
         self.pending -= 1
         if self.pending == 0 and self.reducer is not None and self.buffer is not None:
-            buffer, self.buffer = self.buffer, None
-            self.reducer.reduce_dense(buffer, self.reducer.reduce_dtype(self.dtype))
-            del buffer
+            self._reduce_buffer()
+
+    def _reduce_buffer(self) -> None:
+        buffer, self.buffer = self.buffer, None
+        self.shard = self.reducer.reduce_dense(buffer, self.reducer.reduce_dtype(self.dtype),
+                                               self.shard)
+        del buffer
 
     def finish(self, grad: Optional[torch.Tensor]) -> None:
         """The hub's backward with a reducer: the rows exchanged (or, where the rule or a
@@ -95,14 +100,17 @@ class _HubState:
                 index = torch.empty(0, dtype=torch.int64, device=self.device)
                 values = torch.empty((0, self.shape[1]), dtype=self.dtype, device=self.device)
             self.rows = []
-            reducer.reduce_rows(index, values)
-            return
-        if self.buffer is None:
-            self.buffer = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-        for index, rows in self.rows:
-            self.buffer.index_add_(0, index, rows.to(self.buffer.dtype))
-        self.rows, buffer, self.buffer = [], self.buffer, None
-        reducer.reduce_dense(buffer, reducer.reduce_dtype(self.dtype))
+            self.shard = reducer.reduce_rows(self.shard, index, values,
+                                             reducer.reduce_dtype(self.dtype))
+        else:
+            if self.buffer is None:
+                self.buffer = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            for index, rows in self.rows:
+                self.buffer.index_add_(0, index, rows.to(self.buffer.dtype))
+            self.rows = []
+            self._reduce_buffer()
+        shard, self.shard = self.shard, None
+        reducer.commit(shard)
 
     def add_outer(self, grad_out: torch.Tensor, inputs: torch.Tensor,
                   dtype: Optional[torch.dtype] = None) -> None:

@@ -117,55 +117,77 @@ class TiedShardReducer:
                            if self.replicate_group is not None else 1)
         return float(factor) if factor is not None else float(n)
 
-    def reduce_dense(self, dense: torch.Tensor, reduce_dtype: torch.dtype) -> None:
-        """Reduce a vocab x dim gradient (this rank's part of the sum) into the shard, as
-        FSDP2's reduce-scatter would, a chunk of rows at a time; ``dense`` is not changed."""
+    def in_place(self, dense: torch.Tensor, reduce_dtype: torch.dtype) -> bool:
+        """Whether ``dense`` itself is the reduction's input (no chunk copies): in the reduce
+        dtype, and on gloo (all-reduced in place) or with every shard the same size (NCCL's
+        reduce-scatter reads it as it is)."""
+        return dense.dtype == reduce_dtype and (isinstance(self.comm, AllReduceReduceScatter)
+                                                or self.vocab == self.shards * self.padded_rows)
+
+    def reduce_dense(self, dense: torch.Tensor, reduce_dtype: torch.dtype,
+                     into: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """This rank's shard (local rows, in the reduce dtype, FSDP2's divide factors applied)
+        of the sum over all ranks of a vocab x dim gradient, added into ``into`` if given.
+        ``dense`` (this rank's part) is used up: the input of the reduction where in_place,
+        else copied a chunk of rows at a time (at most ``row_chunk_bytes`` per call)."""
         pre, post, rs_op, ar_op = self._factors(reduce_dtype)
-        out = torch.empty((self.padded_rows, self.dim), dtype=reduce_dtype, device=dense.device)
-        step = chunk_rows(self.shards, self.dim, out.element_size(), self.padded_rows,
-                          self.row_chunk_bytes)
-        for start in range(0, self.padded_rows, step):
-            n = min(step, self.padded_rows - start)
-            chunk = torch.zeros((self.shards, n, self.dim), dtype=reduce_dtype,
-                                device=dense.device)
-            for rank in range(self.shards):
-                lo = rank * self.padded_rows + start
-                rows = dense[lo:min(lo + n, self.vocab)]
-                chunk[rank, :rows.size(0)].copy_(rows)
+        if self.in_place(dense, reduce_dtype):
             if pre is not None and pre != 1:
-                chunk.div_(pre)
-            self.comm(output_tensor=out[start:start + n].view(-1), input_tensor=chunk.view(-1),
-                      group=self.shard_group, op=rs_op)
-            del chunk
+                dense.div_(pre)
+            if isinstance(self.comm, AllReduceReduceScatter):  # gloo: as FSDP2's unit does
+                dist.all_reduce(dense, op=rs_op, group=self.shard_group)
+                out = dense[self.first_row:self.first_row + self.local_rows].clone()
+            else:
+                out = torch.empty((self.padded_rows, self.dim), dtype=reduce_dtype,
+                                  device=dense.device)
+                self.comm(output_tensor=out.view(-1), input_tensor=dense.view(-1),
+                          group=self.shard_group, op=rs_op)
+        else:
+            out = torch.empty((self.padded_rows, self.dim), dtype=reduce_dtype,
+                              device=dense.device)
+            step = chunk_rows(self.shards, self.dim, out.element_size(), self.padded_rows,
+                              self.row_chunk_bytes)
+            for start in range(0, self.padded_rows, step):
+                n = min(step, self.padded_rows - start)
+                chunk = torch.zeros((self.shards, n, self.dim), dtype=reduce_dtype,
+                                    device=dense.device)
+                for rank in range(self.shards):
+                    lo = rank * self.padded_rows + start
+                    rows = dense[lo:min(lo + n, self.vocab)]
+                    chunk[rank, :rows.size(0)].copy_(rows)
+                if pre is not None and pre != 1:
+                    chunk.div_(pre)
+                self.comm(output_tensor=out[start:start + n].view(-1),
+                          input_tensor=chunk.view(-1), group=self.shard_group, op=rs_op)
+                del chunk
+            out = out[:self.local_rows]
         if self.replicate_group is not None:  # HSDP: then across the replicas, as FSDP2
             dist.all_reduce(out, op=ar_op, group=self.replicate_group)
         if post is not None and post != 1:
             out.div_(post)
-        self._add(out[:self.local_rows])
+        if into is None:
+            return out
+        return into.add_(out)
 
-    def reduce_rows(self, index: torch.Tensor, rows: torch.Tensor) -> None:
-        """Add every rank's (index, rows) that fall in this rank's shard, divided as FSDP2
-        divides the sum (collective: all ranks call it, each with its own rows)."""
+    def reduce_rows(self, shard: Optional[torch.Tensor], index: torch.Tensor,
+                    rows: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
+        """Every rank's (index, rows) that fall in this rank's shard, divided as FSDP2 divides
+        the sum, added into ``shard`` (created as zeros if None; the reduce dtype) and
+        returned (collective: all ranks call it, each with its own rows)."""
         for group in self.groups:
             index, rows = _all_gather_rows(index, rows, group)
         own = (index >= self.first_row) & (index < self.first_row + self.local_rows)
-        grad = self._grad_local()
-        picked = rows[own].to(grad.dtype)
-        grad.index_add_(0, index[own] - self.first_row, picked, alpha=1.0 / self.divisor())
+        if shard is None:
+            shard = torch.zeros((self.local_rows, self.dim), dtype=reduce_dtype,
+                                device=rows.device)
+        picked = rows[own].to(shard.dtype)
+        return shard.index_add_(0, index[own] - self.first_row, picked,
+                                alpha=1.0 / self.divisor())
 
-    def _out_dtype(self, reduce_dtype: torch.dtype) -> torch.dtype:
-        return self.group._orig_dtype or reduce_dtype  # private: see the module's docstring
-
-    def _grad_local(self) -> torch.Tensor:
-        """The sharded gradient's local tensor, created as zeros if there is none."""
-        if self.param.grad is None:
-            dtype = self._out_dtype(self.reduce_dtype(self.param.dtype))
-            self._add(torch.zeros((self.local_rows, self.dim), dtype=dtype,
-                                  device=self.param.to_local().device))
-        return self.param.grad.to_local()
-
-    def _add(self, shard: torch.Tensor) -> None:
-        shard = shard.to(self._out_dtype(shard.dtype))
+    def commit(self, shard: torch.Tensor) -> None:
+        """The reduced shard becomes the sharded parameter's gradient, cast as FSDP2 casts
+        its reduce-scatter output (to ``_orig_dtype``), or is added to the one there."""
+        shard = shard.to(self.group._orig_dtype or shard.dtype)  # private: see the docstring
         with torch.no_grad():
             if self.param.grad is None:
                 self.param.grad = DTensor.from_local(

@@ -8,10 +8,11 @@ rank, sharded alike (the tied modules one grouped unit, the layer one, the root)
 plugin's gloo collectives; one copy gets the reducer. Each rank runs its own batch (other
 tokens per rank, and other counts), forward and backward twice (FSDP2's lazy initialization in
 between; gradients zeroed between, as fairseq does), then a third backward onto the kept
-gradient (accumulation). Reported per case: the largest ratio of the two sharded gradients'
-difference to its rounding bound, per element (the bound from the terms each rank added:
+gradient (accumulation). Reported per case, the worst over all ranks' shards: the largest ratio of the two sharded
+gradients' difference to its rounding bound, per element (the bound from the terms each rank added:
 ``Terms``), the same ratio for the lookups' rows alone (how far dropping them would land),
-dtypes and placements.
+dtypes and placements, and whether the projection's dense part was already reduced and freed
+when the first lookup's rows arrived (the memory the early reduce is for).
 
 Argument: the mesh shape (``2`` or ``2x2``: HSDP, replicate x shard)."""
 import sys
@@ -45,6 +46,7 @@ class Terms:
         self.rows_absum = torch.zeros(vocab, dim, dtype=torch.float64)
         self.count = torch.zeros(vocab, 1, dtype=torch.float64)
         self.on = False
+        self.first_rows: dict[int, bool] = {}  # per hub: its buffer freed when rows first came
         state = tied_grad_buffer._HubState
         done, add_rows = state.projection_done, state.add_rows
         terms = self
@@ -57,6 +59,7 @@ class Terms:
 
         def rows(hub, index, values):
             if terms.on:
+                terms.first_rows.setdefault(id(hub), hub.buffer is None)
                 keep = values.double().abs()
                 terms.absum.index_add_(0, index, keep)
                 terms.rows_absum.index_add_(0, index, keep)
@@ -82,15 +85,15 @@ class Tied(nn.Module):
         self.tgt.weight = self.src.weight
         self.out.weight = self.src.weight
 
-    def forward(self, src, tgt, fused: bool, scale: float):
+    def forward(self, src, tgt, fused: bool, scale: float, hinted: bool = True):
         h = torch.tanh(self.layer(self.src(src).mean(1, keepdim=True) + self.tgt(tgt)))
         h = h.reshape(-1, h.size(-1))
         target = tgt.reshape(-1).flip(0)
         if fused:
             weight, hub = self.out.tied_gradient.alias(self.out.weight)
             loss = fused_vocabulary_loss(h, weight, target, eps=0.1, chunk_tokens=7,
-                                         grad_scale=scale, hub=hub)[0]
-            return loss
+                                         grad_scale=scale if hinted else None, hub=hub)[0]
+            return loss if hinted else loss * scale
         logits = self.out(h).float()
         return F.cross_entropy(logits, target, reduction="sum") * scale
 
@@ -122,7 +125,7 @@ def batch(vocab, rank, step, tokens):
     return src, tgt
 
 
-def run_case(mesh, vocab, dim, dtype, fused, tokens, chunk_bytes, terms):
+def run_case(mesh, vocab, dim, dtype, fused, tokens, chunk_bytes, terms, hinted=True):
     rank = dist.get_rank()
     scale = 64.0 if dtype == torch.float16 else 1.0  # a loss scale, as fairseq's --fp16
     models = [build(mesh, vocab, dim, dtype, early, chunk_bytes) for early in (True, False)]
@@ -133,7 +136,7 @@ def run_case(mesh, vocab, dim, dtype, fused, tokens, chunk_bytes, terms):
                 m.zero_grad(set_to_none=True)
             terms.on = m is models[0] and step > 0  # the terms of the gradient compared
             src, tgt = batch(vocab, rank, step, tokens)
-            m(src, tgt, fused, scale).backward()
+            m(src, tgt, fused, scale, hinted).backward()
         grads.append(m.src.weight.grad)
     terms.on = False
     ours, fsdp2 = grads
@@ -148,12 +151,19 @@ def run_case(mesh, vocab, dim, dtype, fused, tokens, chunk_bytes, terms):
     a, b = ours.to_local().double(), fsdp2.to_local().double()
     diff = (a - b).abs()
     ratio = torch.where(bound > 0, diff / bound, diff * float("inf")).nan_to_num(0.0)
-    return {"ratio": float(ratio.max()),
-            "rows_ratio": float((rows_absum / bound.clamp_min(1e-300)).max()),
-            "diff": float(diff.max()), "scale": float(b.abs().max()),
-            "dtype": str(ours.to_local().dtype), "stock_dtype": str(fsdp2.to_local().dtype),
-            "dtensor": isinstance(ours, DTensor) and ours.placements == fsdp2.placements
-            and ours.shape == fsdp2.shape, "nonzero": bool(b.abs().sum() > 0)}
+    laid_out = isinstance(ours, DTensor) and ours.placements == fsdp2.placements \
+        and ours.shape == fsdp2.shape and ours.to_local().dtype == fsdp2.to_local().dtype
+    # every rank's shard: the largest ratios, and the checks' worst (0 = failed on some rank)
+    worst = torch.tensor([float(ratio.max()), float((rows_absum / bound.clamp_min(1e-300)).max()),
+                          float(diff.max()), float(b.abs().max()), -float(laid_out),
+                          -float(b.abs().sum() > 0),
+                          -float(bool(terms.first_rows) and all(terms.first_rows.values()))],
+                         dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return {"ratio": float(worst[0]), "rows_ratio": float(worst[1]), "diff": float(worst[2]),
+            "scale": float(worst[3]), "dtype": str(ours.to_local().dtype),
+            "stock_dtype": str(fsdp2.to_local().dtype), "dtensor": bool(worst[4] < 0),
+            "nonzero": bool(worst[5] < 0), "freed_before_rows": bool(worst[6] < 0)}
 
 
 def main() -> None:
@@ -168,12 +178,16 @@ def main() -> None:
              "sparse fp32 unfused": (1001, 8, torch.float32, False, 9),
              "dense fp32 fused": (37, 8, torch.float32, True, 40),
              "sparse fp16 fused": (1001, 8, torch.float16, True, 9),
-             "sparse bf16 unfused": (1001, 8, torch.bfloat16, False, 9)}
+             "sparse bf16 unfused": (1001, 8, torch.bfloat16, False, 9),
+             # the fused loss without the loss scale's hint: an fp32 buffer for an fp16
+             # reduction, copied into the reduction's input a chunk of rows at a time
+             "sparse fp16 fused, fp32 buffer": (1001, 8, torch.float16, True, 9, False)}
     if len(shape) == 2:
         cases = {k: v for k, v in cases.items() if k in ("sparse fp32 fused",
                                                          "sparse fp16 fused")}
-    for name, (vocab, dim, dtype, fused, tokens) in cases.items():
-        report[name] = run_case(mesh, vocab, dim, dtype, fused, tokens, 200, Terms(vocab, dim))
+    for name, (vocab, dim, dtype, fused, tokens, *hinted) in cases.items():
+        report[name] = run_case(mesh, vocab, dim, dtype, fused, tokens, 200, Terms(vocab, dim),
+                                *hinted)
     report_and_exit(report, print_here=dist.get_rank() == 0)
 
 

@@ -6,15 +6,24 @@ vocab x dim contribution sits in the hub's buffer from the start of backward (th
 adds it in forward) to its end, where FSDP2 copies the buffer into its reduce-scatter input and
 reduce-scatters it: two vocab x dim tensors at the end, one through the whole backward. Here
 the projection's contribution is reduced as soon as it is complete (its backward, the first
-node of backward with the fused loss) into this rank's gradient shard, a chunk of rows at a
-time, and the buffer is freed; the input lookups' rows (at most the batch's tokens each) are
-kept as (index, rows) and exchanged at the end of backward: every rank all-gathers the
-indices and rows and adds those that fall in its shard. The weight's unsharded gradient stays
-None, so FSDP2 neither copies nor reduces it; the sharded parameter's ``.grad`` is set here as
-FSDP2 would set it (a DTensor on the parameter's mesh and placements, in the dtype FSDP2 casts
-its output to: the parameters' fp32, or the 16-bit reduce dtype kept by narrow_grads.py; added
-to a gradient already there). FSDP2's divide factors are used for both parts, so the result is
-FSDP2's up to float rounding (the sum is grouped as dense + rows instead of one sum).
+node of backward with the fused loss) into this rank's shard, in the reduce dtype, and the
+buffer is freed. The buffer itself is the reduction's input where it is in the reduce dtype
+(gloo: all-reduced in place, as gloo_collectives.py's reduce-scatter does, and this rank's rows
+copied out; NCCL: reduce-scattered as it is when every shard has the same rows); otherwise it
+is copied into the input a chunk of rows at a time (ROW_CHUNK_BYTES), so no second vocab x
+dim tensor exists. The input lookups' rows (at most the batch's tokens each) are kept as
+(index, rows) and exchanged at the end of backward: every rank all-gathers the indices and
+rows and adds those that fall in its shard. Then the shard is cast as FSDP2 casts its output
+(to the parameters' fp32, or kept in the 16-bit reduce dtype by narrow_grads.py) and becomes
+the sharded parameter's ``.grad`` (a DTensor on its mesh and placements, as FSDP2 sets it;
+added to a gradient already there). The weight's unsharded gradient stays None, so FSDP2
+neither copies nor reduces it. FSDP2's divide factors are used for both parts, so the result
+is FSDP2's up to float rounding (the sum grouped as dense + rows instead of one sum); the
+16-bit shard and its fp32 cast are the same values, as with FSDP2.
+
+Cost: at the start of backward the dense gradient and this rank's shard (vocab x dim / ranks)
+are alive together, where the activations are largest; the end of backward then holds neither
+the gradient nor FSDP2's copy of it. Which moment sets the peak: the estimator tells.
 
 The rows' exchange (``sparse_fits``): chosen when all ranks' rows, gathered, take at most the
 bytes of the dense vocab x dim gradient; otherwise (huge world sizes or batches against a small

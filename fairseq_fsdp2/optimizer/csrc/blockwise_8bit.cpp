@@ -110,6 +110,9 @@ void dequantize_rows(const torch::Tensor& codes, const torch::Tensor& absmax,
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quantize_rows", &quantize_rows, "block-wise 8-bit quantization of rows (CPU)");
-  m.def("dequantize_rows", &dequantize_rows, "block-wise 8-bit dequantization of rows (CPU)");
+  // the GIL released while a kernel runs: other Python threads of the process go on
+  m.def("quantize_rows", &quantize_rows, "block-wise 8-bit quantization of rows (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize_rows", &dequantize_rows, "block-wise 8-bit dequantization of rows (CPU)",
+        py::call_guard<py::gil_scoped_release>());
 }

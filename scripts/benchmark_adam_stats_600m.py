@@ -28,6 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--updates", type=int, default=4,
                         help="updates per setting (at least 2: the first is not timed)")
     parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--settings", nargs="+", default=list(adam_stats_600m.SETTINGS),
+                        choices=list(adam_stats_600m.SETTINGS),
+                        help="the settings measured (default: all), in this order; fp32 "
+                        "first is the CPU-time ratios' baseline")
     parser.add_argument("--report-only", metavar="JSON", default=None,
                         help="rewrite the report from a saved benchmark_adam_stats_600m.json")
     return parser

@@ -25,6 +25,7 @@ import torch
 from fairseq.optim.adam import FairseqAdamConfig
 from omegaconf import OmegaConf
 
+from ..optimizer import kernels
 from ..optimizer.blockwise_8bit import dequantize, quantize
 from ..optimizer.build import build_optimizer
 from ..optimizer.stochastic_round import to_bf16_stochastic
@@ -64,6 +65,11 @@ def measure(rows: int, cols: int, rounds: int) -> dict:
         "quantize (unsigned map: second moment)": lambda: quantize(v, False, g, codes_v,
                                                                    absmax_v),
         "dequantize": lambda: dequantize(codes, absmax, True, out=scratch),
+        # the eager tensor operations (the reference, and where no C++ kernel is built)
+        "quantize, eager (signed map)": lambda: quantize(x, True, g, codes, absmax,
+                                                         kernel=False),
+        "dequantize, eager": lambda: dequantize(codes, absmax, True, out=scratch,
+                                                kernel=False),
         "bf16 stochastic rounding": lambda: to_bf16_stochastic(scratch.copy_(x), g, out=bf16),
         **steppers}
     times: dict = {name: [] for name in ops}
@@ -85,7 +91,10 @@ def report(seconds: dict, info: dict, meta: dict) -> str:
              f"{meta['rows']} x {meta['cols']} float32 tensor; medians of {meta['rounds']} "
              f"interleaved rounds. The optimizer step: the plugin's Adam "
              f"(`optimizer/build.py`) over that one parameter, moments widened, stepped and "
-             f"stored again (`optimizer/adam_stats.py`).", "",
+             f"stored again (`optimizer/adam_stats.py`). 8-bit rows: "
+             + ("the C++ kernel (`optimizer/kernels.py`), unless marked eager (the tensor "
+                "operations it replaces)." if meta.get("kernel") else
+                "no C++ kernel was built: every row is the eager tensor operations."), "",
              "| operation | seconds | against the step with float32 moments |", "|---|---:|---:|"]
     lines += [f"| {name} | {s:.4f} | {s / fp32:.2f}x |" for name, s in seconds.items()]
     return "\n".join(lines + ["", END])
@@ -94,6 +103,7 @@ def report(seconds: dict, info: dict, meta: dict) -> str:
 def main(args: argparse.Namespace, command_line: str) -> int:
     seconds = measure(args.rows, args.cols, args.rounds)
     meta = {"command": command_line, "date": time.strftime("%Y-%m-%d"), "rows": args.rows,
+            "kernel": kernels.blockwise_8bit() is not None,
             "cols": args.cols, "rounds": args.rounds, "load": os.getloadavg()[0]}
     text = report(seconds, versions(), meta)
     replace_section(Path(args.out), BEGIN, END, text)

@@ -32,9 +32,10 @@ need:
   3.25e-7 of its block's absmax): Adam divides by sqrt(v) + eps, and an element of v rounded
   to 0 would step by m / eps.
 
-How it is fast (eager tensor operations, no search, no compiler: about 20x the speed of
-``torch.searchsorted`` over the map with a float32 random number per element, and the same
-neighbours and rounding law; scripts/benchmark_moment_storage.py measures it). A float32
+How it is fast (no search: about 20x the speed of ``torch.searchsorted`` over the map with a
+float32 random number per element, and the same neighbours and rounding law; on CPU a C++ loop
+per block does the same operations in one pass, kernels.py;
+scripts/benchmark_moment_storage.py measures both). A float32
 quotient's lower neighbour in the map follows from the top 16 bits of its bit pattern (sign,
 exponent, 7 bits of significand): ``_Tables`` holds, for each of the 65536 prefixes, the lower
 neighbour's index of the prefix's least float, and the one map value (if any) that lies within
@@ -52,7 +53,11 @@ which a decaying second moment moves, nothing. Work is done a chunk of rows at a
 CPU_CHUNK elements; CUDA_CHUNK on a GPU) in buffers allocated once (the int32 indices, float32
 quotients and gathered map values, 16-bit draws): WORK_BYTES a chunk element, 5 MiB on CPU, 80
 MiB on a GPU (allocated anew per chunk they cost a page fault per 4 KiB with
-MALLOC_MMAP_THRESHOLD_ set, more than the arithmetic).
+MALLOC_MMAP_THRESHOLD_ set, more than the arithmetic). The eager tensor operations below are the
+reference: the C++ kernel (csrc/blockwise_8bit.cpp) computes each chunk with the same float32
+operations in the same order, and the same draws, so its codes are theirs bit for bit
+(tests/test_quantize_kernel.py); they run on a GPU, and on a CPU where the kernel cannot be
+built.
 
 bitsandbytes is not used: its blocks are runs of a flattened tensor, not rows (see above); its
 stochastic rounding lives in its CUDA kernels, and its 8-bit optimizers update the moments
@@ -68,6 +73,7 @@ from typing import Optional
 import torch
 from torch.distributed.tensor import DTensor
 
+from . import kernels
 from .stochastic_round import release_draws
 
 #: elements per block (bitsandbytes' and torchao's block size)
@@ -206,10 +212,12 @@ def _row_chunks(rows: int, row: int, device: torch.device):
 
 
 def quantize(x: torch.Tensor, signed: bool, generator: torch.Generator,
-             codes: Optional[torch.Tensor] = None, absmax: Optional[torch.Tensor] = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             codes: Optional[torch.Tensor] = None, absmax: Optional[torch.Tensor] = None,
+             kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (float32, rows first) as (uint8 codes shaped like x, float32 absmax of shape
-    absmax_shape(x.shape)), into ``codes`` / ``absmax`` if given (contiguous)."""
+    absmax_shape(x.shape)), into ``codes`` / ``absmax`` if given (contiguous). On CPU the C++
+    kernel (kernels.py) computes each chunk where it is built, unless ``kernel`` is False: the
+    eager tensor operations, the same results bit for bit."""
     if x.dtype != torch.float32:
         raise ValueError(f"expected a float32 tensor, got {x.dtype}")
     rows, blocks = absmax_shape(x.shape)
@@ -224,8 +232,14 @@ def quantize(x: torch.Tensor, signed: bool, generator: torch.Generator,
     flat, out = x.reshape(rows, row), codes.view(rows, row)
     step = max(1, chunk_elements(x.device) // max(row, 1))
     work = _Workspace.at_least(min(step, rows) * blocks, x.device)
+    compiled = _kernel(x.device, kernel)
     for start, end in _row_chunks(rows, row, x.device):
         part, n = flat[start:end], (end - start) * blocks * BLOCK
+        if compiled is not None:
+            draws = work.draws[:n // 4].random_(-1 << 63, None, generator=generator)
+            compiled.quantize_rows(part.contiguous(), draws, tables.low, tables.after,
+                                   tables.value, tables.gap, out[start:end], absmax[start:end])
+            continue
         scaled = work.f32a[:n].view(end - start, blocks * BLOCK)
         if blocks * BLOCK != row:  # the last block of each row: zeros after the row's end
             scaled[:, row:] = 0
@@ -236,7 +250,7 @@ def quantize(x: torch.Tensor, signed: bool, generator: torch.Generator,
         least = work.least[:(end - start) * blocks].view_as(peak)
         torch.amax(part, -1, out=peak)
         torch.amin(part, -1, out=least)
-        torch.maximum(peak, least.neg_().add_(0.0), out=peak)  # + 0.0: no -0.0 maxima
+        torch.maximum(peak, least.neg_(), out=peak).add_(0.0)  # + 0.0: no -0.0 maxima
         # |x| <= peak, so the correctly rounded quotient lies in [-1, 1]
         torch.div(part, least.copy_(peak).clamp_min_(torch.finfo(torch.float32).tiny)
                   .unsqueeze(-1), out=scaled.view(end - start, blocks, BLOCK))
@@ -254,6 +268,11 @@ def quantize(x: torch.Tensor, signed: bool, generator: torch.Generator,
         low.sub_(_negative(other.sub_(s)))  # + 1 where d < up x DRAWS
         out[start:end] = low.view(end - start, blocks * BLOCK)[:, :row]
     return codes, absmax
+
+
+def _kernel(device: torch.device, wanted: bool):
+    """The C++ kernels' module for a CPU tensor, where built and ``wanted``; else None."""
+    return kernels.blockwise_8bit() if wanted and device.type == "cpu" else None
 
 
 def _negative(x: torch.Tensor) -> torch.Tensor:
@@ -304,8 +323,9 @@ class _Workspace:
 
 
 def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool,
-               out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The float32 values that ``codes`` and ``absmax`` (``quantize``'s) stand for."""
+               out: Optional[torch.Tensor] = None, kernel: bool = True) -> torch.Tensor:
+    """The float32 values that ``codes`` and ``absmax`` (``quantize``'s) stand for (on CPU by
+    the C++ kernel where it is built and ``kernel``: the same values)."""
     rows, blocks = absmax_shape(codes.shape)
     row = math.prod(codes.shape[1:])
     if out is None:
@@ -314,6 +334,10 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool,
         return out
     qmap = dynamic_map(signed, codes.device)
     flat, dest = codes.reshape(rows, row), out.view(rows, row)
+    compiled = _kernel(codes.device, kernel)
+    if compiled is not None:
+        compiled.dequantize_rows(flat.contiguous(), absmax.contiguous(), qmap, dest)
+        return out
     step = max(1, chunk_elements(codes.device) // max(row, 1))
     index = _Workspace.int32(min(step, rows) * row, codes.device)
     for start, end in _row_chunks(rows, row, codes.device):

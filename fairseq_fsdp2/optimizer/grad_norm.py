@@ -71,24 +71,41 @@ def _sharded_layout(grads: list[torch.Tensor]):
     return mesh, [dim for dim, p in enumerate(placements) if p.is_shard()]
 
 
-def local_norm(grad: torch.Tensor, factors: Sequence = (), chunk: int = STEP_CHUNK) -> torch.Tensor:
+def local_norm(grad: torch.Tensor, factors: Sequence = (), chunk: int = STEP_CHUNK,
+               space: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The 2-norm of a local gradient shard in float32: of the whole, or of each chunk of rows
     (as row_chunk_step.py cuts them) and then of those norms, when it has more than ``chunk``
     elements, so that a 16-bit gradient is never widened whole. A float32 gradient and the
     16-bit one it would have been (the reduce-scatter's 16-bit output widened) take the same
-    chunks: the same norm, bit for bit."""
+    chunks: the same norm, bit for bit. A 16-bit gradient is widened into ``space`` (flat
+    float32, ``widening_space``'s) when given: one buffer for every chunk, not a new one each
+    (on CPU a new one costs a page fault per 4 KiB: row_chunk_step.py)."""
     rows = grad.shape[0] if grad.dim() else 1
     per = rows_per_chunk(grad.numel() // max(rows, 1), chunk)
     if grad.dim() == 0 or rows <= per:
-        return torch.linalg.vector_norm(widened(grad, factors), 2.0).float()
-    parts = [torch.linalg.vector_norm(widened(grad[a:a + per], factors), 2.0)
+        return torch.linalg.vector_norm(widened(grad, factors, out=space), 2.0).float()
+    parts = [torch.linalg.vector_norm(widened(grad[a:a + per], factors, out=space), 2.0)
              for a in range(0, rows, per)]
     return torch.linalg.vector_norm(torch.stack(parts), 2.0).float()
 
 
+def widening_space(grads: list[torch.Tensor], chunk: int = STEP_CHUNK) -> Optional[torch.Tensor]:
+    """A float32 buffer for local_norm to widen the largest chunk of the 16-bit ``grads``
+    (local shards) into; None when none is 16-bit."""
+    def widest(g: torch.Tensor) -> int:
+        row = g.numel() // max(g.shape[0], 1) if g.dim() else 1
+        return min(g.numel(), rows_per_chunk(row, chunk) * row)
+    sizes = [widest(g) for g in grads if g.dtype in SIXTEEN_BIT]
+    if not sizes:
+        return None
+    return torch.empty(max(sizes), dtype=torch.float32, device=grads[0].device)
+
+
 def _norm_of_local_shards(grads: list[torch.Tensor], mesh, shard_dims: list[int],
                           factors: Sequence = ()) -> torch.Tensor:
-    local = [local_norm(g.to_local(), factors) for g in grads]
+    shards = [g.to_local() for g in grads]
+    space = widening_space(shards)
+    local = [local_norm(g, factors, space=space) for g in shards]
     squares = torch.stack(local).square()
     for dim in shard_dims:
         group = mesh.get_group(dim)

@@ -1,0 +1,69 @@
+"""The plugin's C++ CPU kernels (``csrc/``): built from source the first time a process needs
+them, with PyTorch's own extension builder (``torch.utils.cpp_extension.load``: the C++
+compiler and ninja that fairseq's own build already needs; the build is cached in PyTorch's
+extension directory, ``TORCH_EXTENSIONS_DIR``, and rebuilt when the source or torch changes;
+concurrent ranks wait for one build). ``scripts/test.sh`` builds them before the tests.
+
+Why C++: the 8-bit moments' quantization (blockwise_8bit.py) is about 20 eager tensor
+operations per element, four of them table gathers; one loop per block does the same float32
+operations with one pass over memory (scripts/benchmark_moment_storage.py measures both). No
+library fits: bitsandbytes' CPU quantization rounds to nearest and cuts blocks from the
+flattened tensor, and ``torch.compile`` of the eager code was no faster on CPU (it keeps the
+gathers scalar). The eager code stays as the reference and the fallback: where no compiler is
+found, or with ``FAIRSEQ_FSDP2_NO_KERNELS=1``, it runs instead (a warning says so once), with
+the same results bit for bit (tests/test_quantize_kernel.py).
+
+    .venv/bin/python scripts/build_kernels.py     # build now (prints where, or why not)
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "blockwise_8bit.cpp"
+NAME = "fairseq_fsdp2_blockwise_8bit"
+#: no fused multiply-add: the kernel's float32 operations are the eager code's, rounding alike
+CFLAGS = ["-O3", "-ffp-contract=off"]
+DISABLE = "FAIRSEQ_FSDP2_NO_KERNELS"
+
+_lock = threading.Lock()
+#: the loaded module (or None: unavailable), once per process: loading is a one-time cost of
+#: the process, like importing a module
+_loaded: dict[str, Optional[ModuleType]] = {}
+
+
+def blockwise_8bit() -> Optional[ModuleType]:
+    """The compiled module (``quantize_rows``, ``dequantize_rows``), or None where it cannot
+    be built or is disabled."""
+    with _lock:
+        if NAME not in _loaded:
+            _loaded[NAME] = _build()
+        return _loaded[NAME]
+
+
+def _build() -> Optional[ModuleType]:
+    if os.environ.get(DISABLE, "") not in ("", "0"):
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+        return load(NAME, [str(SOURCE)], extra_cflags=CFLAGS, verbose=False)
+    except Exception as error:  # no compiler, no ninja, no headers: the eager code runs
+        logger.warning("the 8-bit moments' C++ kernel could not be built (%s: %s); "
+                       "the slower eager tensor operations run instead",
+                       type(error).__name__, str(error).strip().splitlines()[-1:])
+        return None
+
+
+def main() -> int:
+    module = blockwise_8bit()
+    if module is None:
+        print("fairseq_fsdp2 kernels: not built (the eager code runs): see the warning above")
+        return 0
+    print(f"fairseq_fsdp2 kernels: {module.__file__}")
+    return 0

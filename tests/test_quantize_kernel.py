@@ -1,0 +1,86 @@
+"""The 8-bit moments' C++ kernel (optimizer/csrc/blockwise_8bit.cpp) computes what the eager
+tensor operations compute (optimizer/blockwise_8bit.py), bit for bit: the same codes and block
+maxima from the same draws, and the same dequantized values. Exactness, not a tolerance: both
+do the same float32 operations in the same order (the kernel is built without fused
+multiply-add), so any difference is a bug. tests/test_quantize_law.py proves the rounding law
+on the default path (the kernel where built).
+
+Inputs meant to reach every branch: rows that are a whole number of blocks and rows that end
+in a short block (the eager code pads it with zeros), magnitudes over 40 decades (denormal
+quotients included), blocks of zeros and of -0.0, blocks whose elements are all negative or
+all equal, elements that are exact map values times the block maximum (the prefix tables'
+crossings). And a row holding inf and NaN: its codes are left out of the comparison (a NaN's
+bits after a vectorized maximum differ between the eager code's loops and by CPU; no step
+stores a non-finite moment: fairseq skips the step on a non-finite gradient norm), but every
+other row must come out the same."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fairseq_fsdp2.optimizer import kernels
+from fairseq_fsdp2.optimizer.blockwise_8bit import (BLOCK, CPU_CHUNK, dequantize, dynamic_map,
+                                                    quantize)
+
+from conftest import REQUIRE_FIXTURE_DEPS
+
+
+@pytest.fixture(scope="module")
+def built():
+    if kernels.blockwise_8bit() is None:
+        message = ("the C++ kernel is not built here (no compiler or ninja, or "
+                   f"{kernels.DISABLE} set): the eager code runs, nothing to compare")
+        if os.environ.get(REQUIRE_FIXTURE_DEPS) == "1" and not os.environ.get(kernels.DISABLE):
+            pytest.fail(message + " (scripts/test.sh builds it first)", pytrace=False)
+        pytest.skip(message)
+
+
+def tensor(rows: int, row: int, signed: bool, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, row, generator=g) * 10.0 ** torch.randint(-20, 20, (rows, 1),
+                                                                   generator=g).float()
+    x[:, 1::7] *= torch.rand(rows, len(range(1, row, 7)), generator=g) ** 16  # tiny quotients
+    if rows > 6:
+        x[0] = 0.0
+        x[1] = -0.0
+        x[2] = -x[2].abs()
+        x[3] = 0.25
+        q = dynamic_map(signed)  # exact map values times a block maximum of 2^-3
+        x[4] = q[torch.randint(0, 256, (row,), generator=g)] * 0.125
+        x[4, 0] = 0.125
+        x[5, :3] = torch.tensor([float("inf"), float("nan"), -1.0])
+    return x if signed else x.abs()
+
+
+@pytest.mark.parametrize("rows,row", [(40, 3 * BLOCK), (33, 300), (9, 1000),
+                                      (CPU_CHUNK // 512 + 5, 512)])
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_kernel_quantizes_and_dequantizes_as_the_eager_code_bit_for_bit(
+        built, rows, row, signed):
+    x = tensor(rows, row, signed, seed=rows * row)
+    codes, absmax = quantize(x, signed, torch.Generator().manual_seed(7))
+    codes_e, absmax_e = quantize(x, signed, torch.Generator().manual_seed(7), kernel=False)
+    finite = x.isfinite().all(-1)
+    assert rows <= 6 or not finite[5]
+    codes, absmax, codes_e, absmax_e = (t[finite] for t in (codes, absmax, codes_e, absmax_e))
+    assert torch.equal(absmax.view(torch.int32), absmax_e.view(torch.int32)), \
+        (absmax.view(-1)[:8], absmax_e.view(-1)[:8])
+    differ = (codes != codes_e).nonzero()
+    assert not len(differ), (f"{len(differ)} codes differ, first at {differ[0].tolist()}: "
+                             f"{codes[tuple(differ[0])]} vs {codes_e[tuple(differ[0])]}")
+    values = dequantize(codes, absmax, signed)
+    values_e = dequantize(codes, absmax, signed, kernel=False)
+    assert torch.equal(values.view(torch.int32), values_e.view(torch.int32))
+
+
+def test_the_kernel_draws_what_the_eager_code_draws(built):
+    """The generator is left where the eager code leaves it: the next moment's (and a resumed
+    run's) draws are the same."""
+    x = tensor(20, 700, True, seed=1)
+    g, g_e = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    quantize(x, True, g)
+    quantize(x, True, g_e, kernel=False)
+    assert torch.equal(torch.randint(0, 1 << 30, (4,), generator=g),
+                       torch.randint(0, 1 << 30, (4,), generator=g_e))

@@ -9,6 +9,8 @@ end, against FSDP2's own reduction of the tied-gradient buffer (--fsdp2-no-tied-
    kept gradient; on 2 ranks and on an HSDP 2 x 2 mesh.
 2. fairseq-train on 2 ranks with a vocabulary large enough for the rows' exchange: per-update
    loss and gradient norm against the option off, fp32 and --fp16 --fsdp2-reduce-dtype fp16.
+3. The one rule (tied_grad_reduce.applies) deciding for training and the estimator alike.
+(The measured memory of update 2 with it: tests/test_memory_breakdown.py.)
 """
 from __future__ import annotations
 
@@ -109,3 +111,27 @@ def test_fairseq_train_matches_fsdp2s_reduction(big_vocab_corpus, tmp_path, prec
     assert "reduced into this rank's shard" not in stock
     rel = 2 * (6 + 1) * (U32 if precision == "fp32" else U16)
     assert_runs_close(early, stock, rel, UPDATES)
+
+
+@pytest.mark.parametrize("flags, world, expected", [
+    ([], 2, True),
+    (["--update-freq", "2"], 2, True),  # reduced every micro-batch, added to the shard
+    ([], 1, False),  # nothing to reduce
+    (["--fsdp2-replicate-degree", "2"], 2, False),  # a shard group of one rank
+    (["--fsdp2-replicate-degree", "2"], 4, True),  # HSDP
+    (["--cpu-offload"], 2, False),  # FSDP2 moves the gradients to the CPU
+    (["--fsdp2-no-sync-micro-batches", "--update-freq", "2"], 2, False),
+    (["--fsdp2-no-tied-grad-buffer"], 2, False),
+    (["--fsdp2-no-tied-early-reduce"], 2, False),
+])
+def test_one_rule_decides_for_training_and_the_estimate(flags, world, expected):
+    """sharding/tied_grad_reduce.applies, which the trainer calls, decides the estimator's
+    setup too (estimator/from_args.py), from fairseq-train's own parsed arguments."""
+    from fairseq_fsdp2.estimator import from_args
+    from fairseq_fsdp2.sharding.tied_grad_reduce import applies
+    args = from_args.parse(["unused", "--task", "translation", "--arch",
+                            "transformer_nllb_600m", "--vocab-size", "256206", "--ddp-backend",
+                            "fsdp2", "--max-tokens", "1024", *flags])
+    update_freq = int(args.update_freq[0])
+    assert applies(args, world // args.fsdp2_replicate_degree, update_freq) is expected
+    assert from_args.setup_for(args, world).tied_early_reduce is expected

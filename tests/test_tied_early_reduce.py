@@ -6,7 +6,9 @@ end, against FSDP2's own reduction of the tied-gradient buffer (--fsdp2-no-tied-
    its derived rounding bound: fp32, fp16 and bf16 reduce dtypes (16-bit shards kept, as the
    trainer keeps them), the fused loss and the plain projection, the rows' exchange and the
    rows folded into the dense path, uneven shards, several reduce calls, accumulation onto a
-   kept gradient; on 2 ranks and on an HSDP 2 x 2 mesh.
+   kept gradient, the path NCCL takes (torch's reduce-scatter, run here by gloo: from the
+   buffer itself with even shards, from chunks of it with uneven ones); on 2 ranks and on an
+   HSDP 2 x 2 mesh.
 2. fairseq-train on 2 ranks with a vocabulary large enough for the rows' exchange: per-update
    loss and gradient norm against the option off, fp32 and --fp16 --fsdp2-reduce-dtype fp16.
 3. The one rule (tied_grad_reduce.applies) deciding for training and the estimator alike.
@@ -49,7 +51,7 @@ def check(report: dict) -> None:
 
 def test_early_reduce_gives_fsdp2s_sharded_gradient():
     report = probe("2", 2)
-    assert len(report) == 6
+    assert len(report) == 8
     check(report)
     assert report["sparse fp16 fused"]["dtype"] == "torch.float16"  # the kept 16-bit shard
 

@@ -107,7 +107,7 @@ class TiedShardReducer:
         self.first_row = self.shard_rank * self.padded_rows
         self.local_rows = param.to_local().shape[0]
         gloo = dist.get_backend(self.shard_group) == dist.Backend.GLOO
-        self.comm = AllReduceReduceScatter() if gloo else _reduce_scatter
+        self.comm = AllReduceReduceScatter() if gloo else reduce_scatter
 
     def _factors(self, reduce_dtype: torch.dtype):
         g = self.group  # private FSDP2 state: see the module's docstring
@@ -206,7 +206,8 @@ class TiedShardReducer:
                 self.param.grad.to_local().add_(shard)
 
 
-def _reduce_scatter(output_tensor, input_tensor, group, op) -> None:
+def reduce_scatter(output_tensor, input_tensor, group, op) -> None:
+    """The reduce-scatter on backends other than gloo (NCCL): torch's own."""
     dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
 
 

@@ -98,7 +98,7 @@ class Tied(nn.Module):
         return F.cross_entropy(logits, target, reduction="sum") * scale
 
 
-def build(mesh, vocab, dim, dtype, early, chunk_bytes):
+def build(mesh, vocab, dim, dtype, early, chunk_bytes, nccl_path=False):
     torch.manual_seed(0)
     model = Tied(vocab, dim)
     tied_grad_buffer.install(model)
@@ -112,7 +112,10 @@ def build(mesh, vocab, dim, dtype, early, chunk_bytes):
         keep_reduce_dtype_grads(model)
     if early:
         assert tied_grad_reduce.install(model) == 1
-        model.out.tied_gradient.reducer.row_chunk_bytes = chunk_bytes
+        reducer = model.out.tied_gradient.reducer
+        reducer.row_chunk_bytes = chunk_bytes
+        if nccl_path:  # the reduce-scatter NCCL runs (gloo's own, here): the buffer as its
+            reducer.comm = tied_grad_reduce.reduce_scatter  # input or chunks of it
     return model
 
 
@@ -125,10 +128,12 @@ def batch(vocab, rank, step, tokens):
     return src, tgt
 
 
-def run_case(mesh, vocab, dim, dtype, fused, tokens, chunk_bytes, terms, hinted=True):
+def run_case(mesh, vocab, dim, dtype, fused, tokens, chunk_bytes, terms, hinted=True,
+             nccl_path=False):
     rank = dist.get_rank()
     scale = 64.0 if dtype == torch.float16 else 1.0  # a loss scale, as fairseq's --fp16
-    models = [build(mesh, vocab, dim, dtype, early, chunk_bytes) for early in (True, False)]
+    models = [build(mesh, vocab, dim, dtype, early, chunk_bytes, nccl_path)
+              for early in (True, False)]
     grads = []
     for m in models:
         for step in range(3):
@@ -181,7 +186,11 @@ def main() -> None:
              "sparse bf16 unfused": (1001, 8, torch.bfloat16, False, 9),
              # the fused loss without the loss scale's hint: an fp32 buffer for an fp16
              # reduction, copied into the reduction's input a chunk of rows at a time
-             "sparse fp16 fused, fp32 buffer": (1001, 8, torch.float16, True, 9, False)}
+             "sparse fp16 fused, fp32 buffer": (1001, 8, torch.float16, True, 9, False),
+             # the path taken on NCCL: even shards reduce-scattered from the buffer itself,
+             # uneven ones in chunks
+             "nccl path, even shards": (1000, 8, torch.float16, True, 9, True, True),
+             "nccl path, uneven shards": (1001, 8, torch.float32, False, 9, True, True)}
     if len(shape) == 2:
         cases = {k: v for k, v in cases.items() if k in ("sparse fp32 fused",
                                                          "sparse fp16 fused")}

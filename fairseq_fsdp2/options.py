@@ -97,6 +97,16 @@ class FSDP2DistributedTrainingConfig(DistributedTrainingConfig):
                           "default: up to 2 x vocab x dim less memory per rank in backward; "
                           "the same gradient up to float rounding)"},
     )
+    fsdp2_no_tied_early_reduce: bool = field(
+        default=False,
+        metadata={"help": "FSDP2, with the tied-gradient buffer: let FSDP2 reduce-scatter the "
+                          "tied embedding's whole vocab x dim gradient at the end of backward, "
+                          "instead of reducing the output projection's part into this rank's "
+                          "gradient shard as soon as backward starts and exchanging only the "
+                          "looked-up rows at its end (the default where it applies: no "
+                          "vocab x dim gradient alive through backward; the same gradient up "
+                          "to float rounding)"},
+    )
     bf16_adam_stats: bool = field(
         default=False,
         metadata={"help": "FSDP2, --optimizer adam: keep Adam's two moments in bf16 between "

@@ -79,16 +79,19 @@ def test_nllb_sizes_1_to_64_ranks_without_allocating(arch):
 def test_tied_gradient_buffer_keeps_one_embedding_gradient():
     """The tied-gradient buffer (default): the fused loss's weight gradient and the two lookups'
     rows add into one vocab x dim buffer; without it each lookup's backward makes a dense
-    vocab x dim gradient that autograd then adds to the loss's (two at once)."""
+    vocab x dim gradient that autograd then adds to the loss's (two at once). Reduced early
+    (the default with the buffer; --fsdp2-no-tied-early-reduce off): the buffer lives only
+    from the loss's forward to the start of backward."""
     flags = ["--criterion", "label_smoothed_cross_entropy_chunked", "--loss-chunk-tokens",
              "512", "--fsdp2-root-reshard", "always"]
     ledgers = []
-    for extra in (["--fsdp2-no-tied-grad-buffer"], []):
+    for extra in (["--fsdp2-no-tied-grad-buffer"], ["--fsdp2-no-tied-early-reduce"], []):
         args = from_args.parse(nllb_args("transformer_nllb_600m", *flags, *extra))
         setup = from_args.setup_for(args, 2)
-        assert setup.tied_grad_buffer == (not extra)
+        assert setup.tied_grad_buffer == (extra != ["--fsdp2-no-tied-grad-buffer"])
+        assert setup.tied_early_reduce == (not extra)
         ledgers.append(simulate_fsdp2(from_args.profile_for(args), setup))
-    stock, buffered = ledgers
+    stock, buffered, early = ledgers
     one = NLLB_VOCAB * 1024 * 4  # one fp32 vocab x dim gradient
     saved = stock.max["grads"] - buffered.max["grads"]
     # Without the buffer the most gradient memory is at the embedding's backward: two dense
@@ -98,6 +101,11 @@ def test_tied_gradient_buffer_keeps_one_embedding_gradient():
     # fall at different moments of backward, where a layer's unsharded gradient (the largest,
     # a decoder layer: 16.8M fp32 parameters) may or may not be alive.
     assert abs(saved - (one - one // 2)) <= 16.8e6 * 4, (saved, one)
+    # Reduced early, the most gradient memory is at the loss's backward, before any other
+    # gradient exists: the dense gradient and this rank's half of it (fp32: no cast), exactly;
+    # less than the buffer's maximum, which adds the other units' shards made by then.
+    assert early.max["grads"] == one + one // 2, (early.max["grads"], one)
+    assert early.max["grads"] < buffered.max["grads"]
 
 
 def test_uneven_shards_make_rank_classes_and_hsdp_shards_within_groups():
@@ -190,7 +198,7 @@ def test_16_bit_reduce_dtype_halves_the_reduce_scatter_input(capsys):
     other than fp32 or the compute dtype is refused, as in training."""
     base = nllb_args("transformer_nllb_3_3b", "--criterion", "label_smoothed_cross_entropy_chunked",
                      "--loss-chunk-tokens", "256", "--fsdp2-root-reshard", "always",
-                     "--checkpoint-activations")
+                     "--checkpoint-activations", "--fsdp2-no-tied-early-reduce")
     profile = from_args.profile_for(from_args.parse(base + ["--fp16"]))  # fp16 and bf16 alike
     shared = next(u for u in profile.units if set(profile.output_paths) & set(u.module_paths))
     local, padded, _ = unit_sizes(shared, 2, 0)
@@ -266,7 +274,8 @@ def test_16_bit_gradient_shards_and_the_row_chunked_step():
     from fairseq_fsdp2.optimizer.row_chunk_step import STEP_CHUNK
     base = nllb_args("transformer_nllb_3_3b", "--criterion", "label_smoothed_cross_entropy_chunked",
                      "--loss-chunk-tokens", "256", "--fsdp2-root-reshard", "always",
-                     "--checkpoint-activations", "--fp16", "--fsdp2-reduce-dtype", "fp16")
+                     "--checkpoint-activations", "--fp16", "--fsdp2-reduce-dtype", "fp16",
+                     "--fsdp2-no-tied-early-reduce")  # FSDP2 reduces the tied embedding
     profile = from_args.profile_for(from_args.parse(base))
     shared = next(u for u in profile.units if set(profile.output_paths) & set(u.module_paths))
     local = unit_sizes(shared, 2, 0)[0]

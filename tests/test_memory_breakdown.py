@@ -54,7 +54,9 @@ def runs(tmp_path_factory) -> dict:
     data = write_random_corpus(root / "corpus", vocab=VOCAB, words=8, n_train=64)
     out = {}
     for name, extra in (("stock", ["--fsdp2-no-tied-grad-buffer"]),
-                        ("buffer", ["--no-save"])):  # the buffer: the default
+                        # the buffer reduce-scattered by FSDP2, and reduced early (the default)
+                        ("buffer", ["--no-save", "--fsdp2-no-tied-early-reduce"]),
+                        ("early", ["--no-save"])):
         save_dir = root / name
         output = ok(run_ranks(2, lambda r: train_args(data, save_dir, *extra)))
         path = save_dir / FILE_NAME
@@ -131,6 +133,28 @@ def test_tied_grad_buffer_trains_the_same_with_less_memory(runs):
         # the rank's peak drops by about one of them: it moves to the reduce-scatter of the
         # shared unit, where the buffer and FSDP2's reduce-scatter copy of it coexist
         assert peak <= r["peak_bytes"] - 0.75 * TIED_BYTES
+
+
+@pytest.mark.slow
+def test_tied_early_reduce_trains_the_same_and_costs_at_most_the_shard(runs):
+    """Reduced early (sharding/tied_grad_reduce.py) the tied weight's gradient is never handed
+    to FSDP2, and its buffer lives from the fused loss's forward to the start of backward
+    only. What it costs: at that start, where this small-vocabulary model's activations are
+    largest, the buffer and this rank's reduced shard (its half, fp32: TIED_BYTES / 2) are
+    alive together; every later moment holds the shard and the looked-up rows instead of the
+    buffer, and the end of backward no FSDP2 copy of it. So the tracked peak is at most the
+    buffer's plus that half (the estimator predicts the same: the peak at "loss backward: tied
+    gradient reduced early", about 1.2 MB above the buffer's here; at NLLB's vocabulary with
+    --checkpoint-activations the peak falls instead, docs/memory.md)."""
+    assert_runs_close(runs["early"]["output"], runs["stock"]["output"], FP32_REORDERED, 3)
+    buffer, early = (printed_table(runs[n]["output"]) for n in ("buffer", "early"))
+    grads = "grads before reduce-scatter"
+    for (_, grads_max), (peak_buffer, _), (peak, _) in zip(
+            early[grads], buffer["peak (tracked)"], early["peak (tracked)"]):
+        print(f"tracked peak: buffer {peak_buffer:.0f}, early {peak:.0f} bytes (one vocab x dim "
+              f"gradient: {TIED_BYTES})")
+        assert grads_max <= 1.3 * TIED_BYTES  # the one buffer, never more
+        assert peak <= peak_buffer + TIED_BYTES / 2
 
 
 def printed_table(output: str) -> dict[str, list[tuple[float, float]]]:

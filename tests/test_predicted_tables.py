@@ -104,46 +104,43 @@ def prose_claims() -> list[str]:
     reduce16 = nllb_3_3b(*CKPT, *STATS16, *REDUCE16)
     stats8 = nllb_3_3b(*CKPT, *STATS8)
     both = nllb_3_3b(*CKPT, *STATS8, *REDUCE16)
+    both_2048 = nllb_3_3b(*CKPT, *STATS8, *REDUCE16, max_tokens=2048)
+    no_early = nllb_3_3b(*CKPT, *STATS8, *REDUCE16, "--fsdp2-no-tied-early-reduce")
     b, b8, bb = stats16.breakdown, stats8.breakdown, both.breakdown
     embedding = 256206 * NLLB_SIZES["transformer_nllb_3_3b"]["dim"]  # elements, tied
-    fp16_grad, fp32_shard = gib(embedding * 2), gib(embedding * 4 / 2)
-    fp16_shard = fp32_shard / 2
-    assert at_12288.peak == stats16.peak and "reduce-scatter shared" in stats16.moment
-    assert "decoder.layers" in at_13312.moment and "reduce-scatter shared" in stats8.moment
-    assert "reduce-scatter shared" in both.moment
+    fp16_grad = gib(embedding * 2)
+    assert stats16.moment == reduce16.moment == "optimizer step"
+    assert "decoder.layers" in at_12288.moment and "decoder.layers" in at_13312.moment
+    assert both.moment == both_2048.moment == "backward: encoder.layers.1"
+    assert "reduce-scatter shared" in no_early.moment
     # the optimizer step's temporaries: one chunk's (the 16-bit gradients kept, 8-bit moments)
     temporaries = step_temporary_bytes(Setup(optimizer="adam", adam_stats="8bit",
                                              narrow_grads=True), embedding // 2, 10 ** 10)
     held = gib(bb["sharded"]) * 1.5 + gib(bb["optim"])  # fp32 weights, fp16 grads, state
     return [
-        f"on 2 GPUs is {stats16.peak_gb:.2f} GiB",
-        f"at 13,312 a decoder layer's recomputation sets it: {at_13312.peak_gb:.2f}",
-        f"fp32 parameter shards {gib(b['sharded']):.2f} GiB, gradients {gib(b['grads']):.2f} "
-        f"(the other units' fp32 shards {gib(b['grads']) - fp16_grad - fp32_shard:.2f}, the "
-        f"embedding's fp16 gradient {fp16_grad:.2f} and its fp32 shard {fp32_shard:.2f}), 16-bit "
-        f"Adam state {gib(b['optim']):.2f}, the reduce-scatter's fp32 input {gib(b['comm']):.2f}",
+        f"on 2 GPUs is {stats16.peak_gb:.2f} GiB at 4,096 tokens",
+        f"fp32 parameter shards {gib(b['sharded']):.2f} GiB, their fp32 gradients "
+        f"{gib(b['grads']):.2f}, 16-bit Adam state with the step's temporaries "
+        f"{gib(b['optim']):.2f}",
+        f"a decoder layer's recomputation: {at_12288.peak_gb:.2f} GiB at 12,288 tokens, "
+        f"{at_13312.peak_gb:.2f} at 13,312",
         f"that is {stats16.peak_gb + 1:.1f}-{stats16.peak_gb + 2:.1f} GiB",
-        f"the reduce-scatter's input halves ({gib(b['comm']):.2f} -> "
-        f"{gib(reduce16.breakdown['comm']):.2f} GiB)",
-        f"the peak falls by {stats16.peak_gb - reduce16.peak_gb:.2f} GiB, to "
-        f"{reduce16.peak_gb:.2f} GiB at 4,096 tokens",
-        f"{stats8.peak_gb:.2f} GiB at the same place (state {gib(b8['optim']):.2f} GiB instead "
-        f"of {gib(b['optim']):.2f})",
-        f"the prediction is {both.peak_gb:.2f} GiB at 4,096 tokens per GPU",
+        f"stays {reduce16.peak_gb:.2f} GiB at 4,096 tokens",
+        f"{stats8.peak_gb:.2f} GiB (state {gib(b8['optim']):.2f} GiB instead of "
+        f"{gib(at_12288.breakdown['optim']):.2f})",
+        f"the prediction is {both.peak_gb:.2f} GiB at 4,096 tokens per GPU ("
+        f"{both_2048.peak_gb:.2f} at 2,048)",
         f"fp32 parameter shards {gib(bb['sharded']):.2f} GiB, gradients {gib(bb['grads']):.2f} "
-        f"(the other units' fp16 shards {gib(bb['grads']) - fp16_grad - fp16_shard:.2f}, the "
-        f"embedding's fp16 gradient {fp16_grad:.2f} and its fp16 shard {fp16_shard:.2f}), the "
-        f"8-bit state {gib(bb['optim']):.2f}, the reduce-scatter's fp16 input "
-        f"{gib(bb['comm']):.2f}",
+        f"(the fp16 shards reduced so far, the tied embedding's among them, and the looked-up "
+        f"rows), the 8-bit state {gib(bb['optim']):.2f}, activations {gib(bb['acts']):.2f}",
         f"holds the fp32 parameter shards {gib(bb['sharded']):.2f} GiB, the fp16 gradient shards "
         f"{gib(bb['sharded']) / 2:.2f}, the 8-bit state {gib(bb['optim']):.2f} and one chunk's "
         f"temporaries {gib(temporaries):.2f}",
         f"that is {both.peak_gb + 1:.1f}-{both.peak_gb + 2:.1f} GiB",
         f"every rank holds {held:.2f} GiB of shards and state",
         f"in fp16 unsharded ({fp16_grad:.2f} GiB), as FSDP2's copy of it into the reduce-scatter's "
-        f"input ({gib(bb['comm']):.2f})",
-        f"state {gib(b8['optim']):.2f} GiB per GPU, {gib(b['optim'] - b8['optim']):.2f} less "
-        "than 16-bit moments",
+        f"input ({gib(no_early.breakdown['comm']):.2f}) and as this rank's reduced half, and the "
+        f"peak is {no_early.peak_gb:.2f} GiB",
         f"| {gib(b['sharded']):.2f} ({gib(b['sharded']) / 2:.2f} parameters, "
         f"{gib(b['sharded']) / 2:.2f} gradients) | {stats16.peak_gb - gib(b['sharded']):.2f};",
     ]

@@ -123,6 +123,8 @@ class _FusedVocabularyLoss(torch.autograd.Function):
             need_weight_grad=ctx.needs_input_grad[1],
             weight_grad=hub if ctx.needs_input_grad[1] else None)
         ctx.grad_features, ctx.grad_weight, ctx.hub = grad_features, grad_weight, hub
+        if hub is not None:  # the projection's part is complete once backward scales it
+            hub.projection_begins()
         ctx.dtypes = (features.dtype, weight.dtype)
         ctx.grad_scale = 1.0 if grad_scale is None else float(grad_scale)
         loss, nll_loss = sums[0].clone(), sums[1].clone()  # separate outputs, not views
@@ -137,6 +139,8 @@ class _FusedVocabularyLoss(torch.autograd.Function):
         grad_features, grad_weight, hub = ctx.grad_features, ctx.grad_weight, ctx.hub
         ctx.grad_features = ctx.grad_weight = ctx.hub = None  # free them with this node
         if grad_loss is None:
+            if hub is not None:
+                hub.projection_done()
             return (None,) * 8
         factor = grad_loss / ctx.grad_scale
         # the usual case: grad_output is exactly the scale the gradients already carry
@@ -149,6 +153,8 @@ class _FusedVocabularyLoss(torch.autograd.Function):
             grad_weight.mul_(factor)
         if hub is not None and rescale:
             hub.scale(factor)
+        if hub is not None:  # (reduced into the shard here when reduced early)
+            hub.projection_done()
         # with a hub the weight gradient is already in the tied buffer: return none here
         return grad_features, grad_weight, None, None, None, None, None, None
 

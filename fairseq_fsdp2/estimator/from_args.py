@@ -11,6 +11,7 @@ from fairseq import options, tasks
 from fairseq.data import Dictionary
 
 from ..launch import preflight
+from ..sharding import tied_grad_reduce
 from ..errors import OptionError, exit_bad_input
 from ..options import (FSDP2_BACKEND, LEGACY_FSDP_BACKEND, check_reduce_dtype,
                        tied_grad_buffer_on)
@@ -143,7 +144,9 @@ def setup_for(args, world_size: int) -> Setup:
         memory_efficient_fp16=bool(getattr(args, "memory_efficient_fp16", False)),
         tied_grad_buffer=tied_grad_buffer_on(args), adam_stats=adam_stats_of(args),
         ema_bytes=ema_bytes_of(args), reduce_dtype=reduce_dtype_of(args),
-        narrow_grads=narrow_grads_of(args))
+        narrow_grads=narrow_grads_of(args),
+        tied_early_reduce=backend_of(args) == "fsdp2" and tied_grad_reduce.applies(
+            args, world_size // replicate, int((getattr(args, "update_freq", None) or [1])[0])))
 
 
 def build_task(args):

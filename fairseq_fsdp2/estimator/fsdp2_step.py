@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Optional
 
 from ..sharding.plan import LAYER, ROOT
-from .ledger import (Ledger, Setup, optimizer_state_bytes, step_temporary_bytes,
+from ..sharding.tied_grad_reduce import INDEX_BYTES, chunk_rows, sparse_fits
+from .ledger import (Ledger, Setup, optimizer_state_bytes, shard_rows, step_temporary_bytes,
                      unit_sizes)
 from .lora import trained_sizes
 from .model_profile import ModelProfile
@@ -61,6 +62,14 @@ class _FSDP2Step:
         self.no_backward_gather: set[str] = set()  # set_unshard_in_backward(False)
         self.shared = next((u.name for u in profile.units
                             if set(profile.output_paths) & set(u.module_paths)), ROOT)
+        # the tied gradient reduced early (sharding/tied_grad_reduce.py): the projection's
+        # part into the shard as backward starts, the lookups' rows kept and exchanged at its
+        # end (when all ranks' rows gathered fit in the dense gradient's bytes, else densely)
+        self.early = setup.tied_early_reduce and bool(self.embedding_grad)
+        self.rows_kept = self.row_count = self.tied_shard = 0
+        self.folded = False  # a rank's rows alone past the rule: added into a dense buffer
+        V, d = profile.vocab, profile.embed_dim
+        self.sparse = sparse_fits(setup.world_size * 2 * profile.workload.tokens, d, self.c, V)
 
     # -- FSDP2's operations -------------------------------------------------------------------
     def unshard(self, name: str, why: str, forward: bool) -> None:
@@ -122,18 +131,22 @@ class _FSDP2Step:
         self.led.add("comm", self.full[target])
         self.prefetched[target] = self.full[target]
 
-    def reduce_scatter(self, name: str, grad_bytes: int, in_ledger: bool) -> None:
+    def reduce_scatter(self, name: str, grad_bytes: int, in_ledger: bool,
+                       less: tuple[int, int] = (0, 0)) -> None:
+        """``less``: (padded, local) elements FSDP2 does not reduce here (the tied weight
+        reduced early)."""
         led = self.led
         led.sub("comm", self.retained_rs)  # the previous input buffer is released first
         self.retained_rs = 0
-        rs_input = self.grad_padded[name] * self.rb
+        rs_input = (self.grad_padded[name] - less[0]) * self.rb
         # A unit reduced at the end of backward (the root, the shared embedding) still holds
         # its unsharded gradients while FSDP2 allocates the reduce-scatter output (measured at
         # NLLB-600M: gradient, input and output of the shared unit alive at once); a layer's
         # gradients are freed after the copy-in, before the output is allocated. A 16-bit
         # output is then cast to the fp32 sharded gradient, both alive at the cast.
         cast = 4 if self.rb != 4 and not self.s.narrow_grads else 0
-        output = self.grad_local[name] * (self.rb + cast) if self.on_device else 0
+        local = self.grad_local[name] - less[1]
+        output = local * (self.rb + cast) if self.on_device else 0
         led.moment(f"backward: reduce-scatter {name}", comm=rs_input,
                    grads=output if in_ledger else grad_bytes)
         if not in_ledger and cast and output > grad_bytes:
@@ -144,9 +157,55 @@ class _FSDP2Step:
         led.add("comm", rs_input)
         self.retained_rs = rs_input
         if self.on_device:  # the sharded gradient: fp32, or the 16-bit output kept
-            led.add("grads", self.grad_local[name] * (self.rb if self.s.narrow_grads else 4))
+            led.add("grads", local * (self.rb if self.s.narrow_grads else 4))
         self.reduced.add(name)
         self.reshard(name)
+
+    def tied_reduce(self, why: str, dense_bytes: int) -> None:
+        """The tied weight's dense gradient (in "grads", ``dense_bytes``, the compute dtype)
+        reduced into this rank's shard (tied_grad_reduce.TiedShardReducer.reduce_dense): its
+        own buffer the reduction's input where it is in the reduce dtype (on gloo all-reduced
+        in place, the local rows copied out; on NCCL when the shards are even), else copied a
+        chunk of rows at a time; then freed. The shard, in the reduce dtype, is held until the
+        end of backward (the first reduce creates it, a later one adds into it)."""
+        V, d, led = self.p.vocab, self.p.embed_dim, self.led
+        local_rows, padded_rows = shard_rows(V, self.shards, self.rank)
+        gloo = self.s.device == "cpu"
+        in_place = self.c == self.rb and (gloo or V % self.shards == 0)
+        out = (local_rows if in_place and gloo else padded_rows) * d * self.rb
+        chunk = 0 if in_place else \
+            self.shards * chunk_rows(self.shards, d, self.rb, padded_rows) * d * self.rb
+        led.moment(f"{why}: tied gradient reduced early", grads=out, comm=chunk)
+        led.sub("grads", dense_bytes)
+        if not self.tied_shard:
+            self.tied_shard = local_rows * d * self.rb
+            led.add("grads", self.tied_shard)
+
+    def tied_rows_exchanged(self) -> None:
+        """The end of backward: the lookups' rows (2 x T per rank) gathered from every rank
+        with their indices, concatenated, padded, and this shard's picked and added; or, when
+        they do not fit the rule, a dense buffer built from them and reduced. Then the shard
+        becomes the sharded gradient, cast to fp32 unless kept in the 16-bit reduce dtype."""
+        p, led, c = self.p, self.led, self.c
+        T, V, d = p.workload.tokens, p.vocab, p.embed_dim
+        if self.sparse:
+            gathered = self.s.world_size * 2 * T
+            led.moment("backward: tied gradient's rows exchanged",
+                       grads=2 * T * d * c + gathered * (d * c + INDEX_BYTES) + gathered * d * c)
+        else:
+            if not self.folded:
+                led.add("grads", V * d * c)
+            self.tied_reduce("backward: tied gradient's rows", V * d * c)
+        led.sub("grads", self.rows_kept)
+        self.rows_kept = 0
+        local_rows = shard_rows(V, self.shards, self.rank)[0]
+        kept = local_rows * d * (self.rb if self.s.narrow_grads or self.rb == 4 else 4)
+        if kept != self.tied_shard:
+            led.moment("backward: tied gradient's shard cast to fp32", grads=kept)
+        led.sub("grads", self.tied_shard)
+        self.tied_shard = 0
+        if self.s.update_freq == 1:  # else added into the gradient of the earlier micro-batches
+            led.add("grads", kept)
 
     # -- the step ---------------------------------------------------------------------------------
     def run(self) -> Ledger:
@@ -173,15 +232,25 @@ class _FSDP2Step:
             first_accumulated = False
         self.layers_backward(first_accumulated)
         # end of backward: the root and the units whose inputs need no gradient reduce-scatter
+        if self.early:
+            self.tied_rows_exchanged()
         for name in (ROOT, self.shared):
             if name in self.reduced:
                 continue
             held = self.root_grads if name == ROOT else 0
-            if name == self.shared:
+            less = (0, 0)
+            if name == self.shared and self.early:  # FSDP2 sees no gradient of the tied weight
+                rows, padded = shard_rows(V, self.shards, self.rank)
+                less = (padded * self.shards * d, rows * d)
+                if self.grad_numel[name] == V * d and name != ROOT:
+                    self.reduced.add(name)
+                    self.reshard(name)
+                    continue
+            elif name == self.shared:
                 held += V * d * c * self.embedding_grad
-            rest = max(self.grad_numel[name] * c - held, 0)
+            rest = max((self.grad_numel[name] - (V * d if less[0] else 0)) * c - held, 0)
             led.add("grads", rest)
-            self.reduce_scatter(name, held + rest, in_ledger=True)
+            self.reduce_scatter(name, held + rest, in_ledger=True, less=less)
         led.sub("comm", self.retained_rs)
         self.retained_rs = 0
         for name, nbytes in self.prefetched.items():
@@ -241,8 +310,12 @@ class _FSDP2Step:
         self.unshard(ROOT, "backward: all-gather root", forward=False)
         vd = V * d * c * self.embedding_grad  # (a frozen embedding has none)
         led.moment("backward: output projection", grads=vd, acts=T * d * c)
-        led.sub("loss", T * V * c)
         led.add("grads", vd)  # the tied weight's gradient, in autograd's buffer
+        if self.early:  # reduced inside the projection's backward (the logits' gradient alive)
+            led.add("acts", T * d * c)
+            self.tied_reduce("backward: output projection", vd)
+            led.sub("acts", T * d * c)
+        led.sub("loss", T * V * c)
 
     def chunked_loss(self, n: int) -> bool:
         """The fused chunked loss (criterions/fused.py): each chunk's logits, softmax and
@@ -263,6 +336,8 @@ class _FSDP2Step:
         if regather:
             self.reshard(self.shared)
         self.no_backward_gather.add(self.shared)
+        if self.early:  # the loss's backward, first in backward: its part reduced there
+            self.tied_reduce("loss backward", vd)
         self.unshard(ROOT, "backward: all-gather root", forward=False)
         self.prefetch_before(ROOT)
         led.sub("loss", T * d * c)
@@ -300,6 +375,16 @@ class _FSDP2Step:
                 # --fsdp2-tied-grad-buffer the rows are added into the one buffer in place
                 extra = (0 if self.s.tied_grad_buffer or not self.embedding_grad else
                          V * d * c if accumulated else 2 * V * d * c)
+                if self.early:  # reduced early: the lookup's rows and indices kept
+                    self.row_count += T
+                    if self.folded:
+                        pass  # added into the dense buffer in place
+                    elif sparse_fits(self.row_count, d, c, V):
+                        self.rows_kept += T * (d * c + INDEX_BYTES)
+                        led.add("grads", T * (d * c + INDEX_BYTES))
+                    else:  # folded into a dense buffer (tied_grad_buffer._HubState.add_rows)
+                        led.add("grads", V * d * c - self.rows_kept)
+                        self.rows_kept, self.folded = 0, True
                 led.moment(f"backward: {value} (embedding gradient)", grads=extra)
                 accumulated = True
 

@@ -58,6 +58,9 @@ class Setup:
     # the sharded gradients stay in the 16-bit reduce dtype for the optimizer (sharding/
     # narrow_grads.py; the trainer's _keeps_16_bit_grads): narrow_grads_of in from_args.py
     narrow_grads: bool = False
+    # the tied embedding's gradient reduced early into the shard, the lookups' rows exchanged
+    # (sharding/tied_grad_reduce.py; its ``applies`` decides, setup_for in from_args.py)
+    tied_early_reduce: bool = False
 
 
 class Ledger:

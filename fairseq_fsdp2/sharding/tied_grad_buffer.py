@@ -17,6 +17,11 @@ the buffer to the weight as its gradient. So at most one vocab x dim gradient ex
 ``.grad``, FSDP2's reduce-scatter and its timing are those of the stock path. The result is the
 same sum, added in a different order (float rounding only).
 
+Reduced early (tied_grad_reduce.py, where a reducer is installed): the projection's part is
+reduced into the sharded gradient once every projection use's backward has run (each use
+counts itself in forward: ``projection_begins`` / ``projection_done``), and the lookups' rows
+are kept as rows and exchanged by the hub's backward, which then hands autograd no gradient.
+
 Without grad mode, or when the weight does not require grad, the stock forward runs.
 The module classes are changed on the instance (as ``fully_shard`` itself does), before
 sharding; parameter names, state dicts and checkpoints are unchanged.
@@ -30,21 +35,82 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .plan import tied_groups
+from .tied_grad_reduce import gathered_row_count, sparse_fits
 
 
 class _HubState:
     """The buffer shared by one forward pass's uses of the tied weight."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, reducer=None) -> None:
         self.shape, self.dtype, self.device = weight.shape, weight.dtype, weight.device
+        self.element_size = weight.element_size()
         self.buffer: Optional[torch.Tensor] = None
         self.backward_started = False
+        self.reducer = reducer  # tied_grad_reduce.TiedShardReducer: reduced early
+        self.pending = 0  # projection uses whose backward has not run yet
+        self.rows: list[tuple[torch.Tensor, torch.Tensor]] = []  # the lookups' (index, rows)
+        self.row_count = 0
+        self.shard: Optional[torch.Tensor] = None  # this rank's reduced shard (reduce dtype)
 
     def add_rows(self, index: torch.Tensor, rows: torch.Tensor) -> None:
         self.backward_started = True
+        if self.reducer is not None and self.buffer is None:
+            self.rows.append((index, rows.to(self.dtype)))
+            self.row_count += index.numel()
+            if sparse_fits(self.row_count, self.shape[1], self.element_size, self.shape[0]):
+                return
+            pieces, self.rows = self.rows, []  # more rows than the dense gradient: fold them
+            self.buffer = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            for index, rows in pieces:
+                self.buffer.index_add_(0, index, rows.to(self.buffer.dtype))
+            return
         if self.buffer is None:
             self.buffer = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         self.buffer.index_add_(0, index, rows.to(self.buffer.dtype))
+
+    def projection_begins(self) -> None:
+        self.pending += 1
+
+    def projection_done(self) -> None:
+        """A projection use's contribution is complete; once all are, reduce them early."""
+        self.pending -= 1
+        if self.pending == 0 and self.reducer is not None and self.buffer is not None:
+            self._reduce_buffer()
+
+    def _reduce_buffer(self) -> None:
+        buffer, self.buffer = self.buffer, None
+        self.shard = self.reducer.reduce_dense(buffer, self.reducer.reduce_dtype(self.dtype),
+                                               self.shard)
+        del buffer
+
+    def finish(self, grad: Optional[torch.Tensor]) -> None:
+        """The hub's backward with a reducer: the rows exchanged (or, where the rule or a
+        leftover dense part says so, reduced densely on every rank alike)."""
+        if grad is not None:  # the alias was also used outside our functions
+            self.buffer = grad.clone() if self.buffer is None else self.buffer.add_(grad)
+        reducer = self.reducer
+        gathered = gathered_row_count(self.row_count, self.buffer is not None, reducer.groups,
+                                      self.device)
+        if gathered is not None and sparse_fits(gathered, self.shape[1], self.element_size,
+                                                self.shape[0]):
+            if self.rows:
+                index = torch.cat([i for i, _ in self.rows])
+                values = torch.cat([r for _, r in self.rows])
+            else:
+                index = torch.empty(0, dtype=torch.int64, device=self.device)
+                values = torch.empty((0, self.shape[1]), dtype=self.dtype, device=self.device)
+            self.rows = []
+            self.shard = reducer.reduce_rows(self.shard, index, values,
+                                             reducer.reduce_dtype(self.dtype))
+        else:
+            if self.buffer is None:
+                self.buffer = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            for index, rows in self.rows:
+                self.buffer.index_add_(0, index, rows.to(self.buffer.dtype))
+            self.rows = []
+            self._reduce_buffer()
+        shard, self.shard = self.shard, None
+        reducer.commit(shard)
 
     def add_outer(self, grad_out: torch.Tensor, inputs: torch.Tensor,
                   dtype: Optional[torch.dtype] = None) -> None:
@@ -80,6 +146,9 @@ class _Hub(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Optional[torch.Tensor]):
+        if ctx.state.reducer is not None:  # reduced into the shard: FSDP2 gets nothing
+            ctx.state.finish(grad)
+            return None, None
         buffer = ctx.state.take()
         if grad is not None:  # the alias was also used outside our functions
             buffer = grad if buffer is None else buffer.add_(grad)
@@ -114,17 +183,20 @@ class _LinearUse(torch.autograd.Function):
         ctx.save_for_backward(inputs, weight)
         ctx.state = state
         ctx.set_materialize_grads(False)
+        state.projection_begins()
         return F.linear(inputs, weight)
 
     @staticmethod
     def backward(ctx, grad: Optional[torch.Tensor]):
         if grad is None:
+            ctx.state.projection_done()
             return None, None, None
         inputs, weight = ctx.saved_tensors
         grad_inputs = grad.matmul(weight) if ctx.needs_input_grad[0] else None
         ctx.state.backward_started = True
         ctx.state.add_outer(grad.reshape(-1, grad.size(-1)),
                             inputs.reshape(-1, inputs.size(-1)))
+        ctx.state.projection_done()
         return grad_inputs, None, None
 
 
@@ -133,13 +205,14 @@ class TiedGradient:
 
     def __init__(self) -> None:
         self._current: Optional[tuple[torch.Tensor, torch.Tensor, _HubState]] = None
+        self.reducer = None  # tied_grad_reduce.install: the gradient reduced early
 
     def alias(self, weight: torch.Tensor) -> tuple[torch.Tensor, _HubState]:
         """The hub for this forward pass: the current one, unless its backward has begun or
         it belongs to another weight object; then a new one."""
         cur = self._current
         if cur is None or cur[0] is not weight or cur[2].backward_started:
-            state = _HubState(weight)
+            state = _HubState(weight, self.reducer)
             cur = self._current = (weight, _Hub.apply(weight, state), state)
         return cur[1], cur[2]
 

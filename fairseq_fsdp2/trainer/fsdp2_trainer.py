@@ -28,7 +28,7 @@ from ..optimizer.build import build_optimizer
 from ..models import lora
 from ..options import (FSDP2_BACKEND, lora_modules, lora_scaling, lora_train_patterns,
                        tied_grad_buffer_on)
-from ..sharding import layerdrop, meta_build, narrow_grads, tied_grad_buffer
+from ..sharding import layerdrop, meta_build, narrow_grads, tied_grad_buffer, tied_grad_reduce
 from ..sharding.apply_plan import all_unsharded, apply_plan
 from ..sharding.mesh import build_mesh
 from ..sharding.plan import ShardingPlan, build_plan
@@ -125,6 +125,12 @@ class FSDP2Trainer(TrainerEMA, TrainerCheckpoints, Trainer):
                                    torch.device("cpu") if dt.cpu_offload else None)
         if plan.lora is not None:
             self._initialize_adapters(model)
+        if tied_grad_reduce.applies(dt, world // dt.fsdp2_replicate_degree,
+                                    max(self.cfg.optimization.update_freq)) and \
+                tied_grad_reduce.install(model):
+            logger.info("the tied embedding's gradient is reduced into this rank's shard as "
+                        "backward starts, the looked-up rows exchanged at its end "
+                        "(--fsdp2-no-tied-early-reduce turns it off)")
         model.register_load_state_dict_pre_hook(self._load_sharded_model)
         self.resolve_shards_before_the_models_own_load(model)
         if dt.fsdp2_no_sync_micro_batches:

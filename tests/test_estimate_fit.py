@@ -36,6 +36,21 @@ def test_the_largest_max_tokens_fits_and_one_batch_more_does_not():
     assert top.max_tokens == MAX_STEPS * STEP and top.capped and "more may fit" in top.line()
 
 
+def test_a_claimed_largest_max_tokens_is_taken_only_where_it_holds():
+    """The documented tables' check (doc_tables.render with the cells the docs hold): a claim
+    is the search's answer when it fits and one batch more does not; one batch too few or too
+    many, or "none" where a batch fits, is not taken, and the search's answer comes back."""
+    three, four = predicted(3 * STEP), predicted(4 * STEP)
+    args = from_args.parse(ARGS)
+    budget = (three + four) / 2
+    (searched,) = largest_max_tokens(args, budget, [2])
+    assert searched.max_tokens == 3 * STEP
+    for claim in (2 * STEP, 4 * STEP, None):  # the right one: test_predicted_tables
+        assert largest_max_tokens(args, budget, [2], {2: claim}) == [searched], claim
+    (none,) = largest_max_tokens(args, predicted(STEP) - 1 / GIB, [2], {2: None})
+    assert none.max_tokens is None
+
+
 def test_cli_prints_the_fit_and_refuses_a_budget_that_is_no_memory(capsys):
     assert cli.main(ARGS + ["--world-size", "2", "--fit-gb", "1000"]) == 0
     assert "2 rank(s): the largest --max-tokens that fits 1000 GiB per rank is" in \

@@ -12,6 +12,7 @@ import functools
 import re
 import shlex
 from dataclasses import dataclass
+from typing import Optional
 
 from .fit import largest_max_tokens
 from .from_args import estimates, parse
@@ -140,17 +141,40 @@ def predicted_gib(table: Table, row: Row) -> tuple[float, ...]:
 
 
 @functools.cache
-def fitted(table: Table, row: Row, budget: float) -> tuple[str, ...]:
+def fitted(table: Table, row: Row, budget: float, claimed: tuple = ()) -> tuple[str, ...]:
     """Each world size's largest --max-tokens that fits ``budget`` GiB, with its predicted
-    peak."""
-    fits = largest_max_tokens(parse(table.command(row, budget)), budget, table.world_sizes)
+    peak. ``claimed``: the cells a document holds for them (checked at their edge, fit.py)."""
+    claims = {w: _claimed_tokens(cell) for w, cell in zip(table.world_sizes, claimed)}
+    fits = largest_max_tokens(parse(table.command(row, budget)), budget, table.world_sizes,
+                              {w: t for w, t in claims.items() if t != ()})
     return tuple("none" if fit.max_tokens is None else
                  f"{fit.max_tokens}{'+' if fit.capped else ''} ({fit.peak_gb:.2f} GiB)"
                  for fit in fits)
 
 
-def render(table: Table) -> str:
-    """The block between the markers: the table, then the command of each row."""
+def _claimed_tokens(cell: str):
+    """The --max-tokens a fit cell states ("20480 (20.21 GiB)"; None for "none"); () where the
+    cell says no such thing."""
+    if cell.strip() == "none":
+        return None
+    found = re.match(r"\s*(\d+)\+? \(", cell)
+    return int(found.group(1)) if found else ()
+
+
+def documented_cells(block: Optional[str], table: Table) -> dict[tuple, tuple[str, ...]]:
+    """A documented block's value cells by row labels (for ``render``'s ``claimed``)."""
+    cells = {}
+    for line in (block or "").splitlines():
+        if line.startswith("| ") and line.endswith(" |"):
+            parts = [c.strip() for c in line[2:-2].split(" | ")]
+            cells[tuple(parts[:len(table.label_header)])] = tuple(parts[len(table.label_header):])
+    return cells
+
+
+def render(table: Table, claimed: Optional[dict] = None) -> str:
+    """The block between the markers: the table, then the command of each row. ``claimed``
+    (``documented_cells`` of the block in the docs): fit cells checked at their edge rather
+    than searched for (the same block when they hold)."""
     gpus = lambda w: f"{w} GPU{'s' if w > 1 else ''}"  # noqa: E731
     if not table.fit_gb:
         header = [*table.label_header, *(gpus(w) for w in table.world_sizes)]
@@ -162,8 +186,11 @@ def render(table: Table) -> str:
                                                                  len(table.label_header))]
     commands = []
     for row in table.rows:
+        have = (claimed or {}).get(row.labels, ())
+        per_budget = len(table.world_sizes)
         values = ([f"{v:.2f}" for v in predicted_gib(table, row)] if not table.fit_gb
-                  else [cell for gb in table.fit_gb for cell in fitted(table, row, gb)])
+                  else [cell for i, gb in enumerate(table.fit_gb) for cell in fitted(
+                      table, row, gb, tuple(have[i * per_budget:(i + 1) * per_budget]))])
         lines.append("| " + " | ".join([*row.labels, *values]) + " |")
         name = ', '.join(label.replace('`', '') for label in row.labels)
         for budget in table.fit_gb or (None,):

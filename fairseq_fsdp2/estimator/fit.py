@@ -39,10 +39,17 @@ class Fit:
                 f"{self.peak_gb:.2f} GiB")
 
 
-def largest_max_tokens(args, budget_gb: float, world_sizes) -> list[Fit]:
+def largest_max_tokens(args, budget_gb: float, world_sizes,
+                       claimed: Optional[dict] = None) -> list[Fit]:
     """For each of ``world_sizes``, bisection over the --max-tokens values that give different
     batches (module docstring). The profile of a batch (one trace) does not depend on the world
-    size: each is made once for all of them."""
+    size: each is made once for all of them.
+
+    ``claimed``: world size -> a --max-tokens said to be the answer (None: that none fits), as a
+    document records it. A claim is checked at its edge only (it fits and the next batch does
+    not, or the smallest does not fit), two traces instead of the search's eight; since the
+    peak does not fall as the batch grows, a claim that holds there is what the search finds.
+    One that does not hold is searched for as without a claim."""
     step = args.seq_len * max(int(getattr(args, "required_batch_size_multiple", 8) or 1), 1)
     model = build_meta_model(args)
     profiles = {}
@@ -60,6 +67,14 @@ def largest_max_tokens(args, budget_gb: float, world_sizes) -> list[Fit]:
         def peak(k: int) -> float:
             return estimate(profile(k), setup).peak_gb
 
+        if claimed and world_size in claimed:
+            tokens = claimed[world_size]
+            if tokens is None and peak(1) > budget_gb:
+                return Fit(world_size, budget_gb, None, None, False)
+            k = (tokens or 0) // step
+            if tokens is not None and k * step == tokens and 1 <= k <= MAX_STEPS and \
+                    peak(k) <= budget_gb and (k == MAX_STEPS or peak(k + 1) > budget_gb):
+                return Fit(world_size, budget_gb, tokens, peak(k), k == MAX_STEPS)
         if peak(1) > budget_gb:
             return Fit(world_size, budget_gb, None, None, False)
         low, high = 1, MAX_STEPS  # peak(low) fits

@@ -57,16 +57,20 @@ class _HubState:
         if self.reducer is not None and self.buffer is None:
             self.rows.append((index, rows.to(self.dtype)))
             self.row_count += index.numel()
-            if sparse_fits(self.row_count, self.shape[1], self.element_size, self.shape[0]):
-                return
-            pieces, self.rows = self.rows, []  # more rows than the dense gradient: fold them
-            self.buffer = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-            for index, rows in pieces:
-                self.buffer.index_add_(0, index, rows.to(self.buffer.dtype))
+            if not sparse_fits(self.row_count, self.shape[1], self.element_size, self.shape[0]):
+                self._fold_rows()  # more rows than the dense gradient
             return
         if self.buffer is None:
             self.buffer = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         self.buffer.index_add_(0, index, rows.to(self.buffer.dtype))
+
+    def _fold_rows(self) -> None:
+        """The kept lookups' rows added into the dense buffer (made if there is none)."""
+        if self.buffer is None:
+            self.buffer = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        for index, rows in self.rows:
+            self.buffer.index_add_(0, index, rows.to(self.buffer.dtype))
+        self.rows = []
 
     def projection_begins(self) -> None:
         self.pending += 1
@@ -103,11 +107,7 @@ class _HubState:
             self.shard = reducer.reduce_rows(self.shard, index, values,
                                              reducer.reduce_dtype(self.dtype))
         else:
-            if self.buffer is None:
-                self.buffer = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-            for index, rows in self.rows:
-                self.buffer.index_add_(0, index, rows.to(self.buffer.dtype))
-            self.rows = []
+            self._fold_rows()
             self._reduce_buffer()
         shard, self.shard = self.shard, None
         reducer.commit(shard)

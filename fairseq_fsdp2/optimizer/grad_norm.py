@@ -80,8 +80,7 @@ def local_norm(grad: torch.Tensor, factors: Sequence = (), chunk: int = STEP_CHU
     chunks: the same norm, bit for bit. A 16-bit gradient is widened into ``space`` (flat
     float32, ``widening_space``'s) when given: one buffer for every chunk, not a new one each
     (on CPU a new one costs a page fault per 4 KiB: row_chunk_step.py)."""
-    rows = grad.shape[0] if grad.dim() else 1
-    per = rows_per_chunk(grad.numel() // max(rows, 1), chunk)
+    rows, _, per = _row_chunking(grad, chunk)
     if grad.dim() == 0 or rows <= per:
         return torch.linalg.vector_norm(widened(grad, factors, out=space), 2.0).float()
     parts = [torch.linalg.vector_norm(widened(grad[a:a + per], factors, out=space), 2.0)
@@ -89,13 +88,21 @@ def local_norm(grad: torch.Tensor, factors: Sequence = (), chunk: int = STEP_CHU
     return torch.linalg.vector_norm(torch.stack(parts), 2.0).float()
 
 
+def _row_chunking(grad: torch.Tensor, chunk: int) -> tuple[int, int, int]:
+    """(rows, elements per row, rows per chunk) as local_norm cuts ``grad``."""
+    rows = grad.shape[0] if grad.dim() else 1
+    row = grad.numel() // max(rows, 1)
+    return rows, row, rows_per_chunk(row, chunk)
+
+
 def widening_space(grads: list[torch.Tensor], chunk: int = STEP_CHUNK) -> Optional[torch.Tensor]:
     """A float32 buffer for local_norm to widen the largest chunk of the 16-bit ``grads``
     (local shards) into; None when none is 16-bit."""
-    def widest(g: torch.Tensor) -> int:
-        row = g.numel() // max(g.shape[0], 1) if g.dim() else 1
-        return min(g.numel(), rows_per_chunk(row, chunk) * row)
-    sizes = [widest(g) for g in grads if g.dtype in SIXTEEN_BIT]
+    sizes = []
+    for g in grads:
+        if g.dtype in SIXTEEN_BIT:
+            _, row, per = _row_chunking(g, chunk)
+            sizes.append(min(g.numel(), per * row))
     if not sizes:
         return None
     return torch.empty(max(sizes), dtype=torch.float32, device=grads[0].device)

@@ -67,13 +67,12 @@ def largest_max_tokens(args, budget_gb: float, world_sizes,
         def peak(k: int) -> float:
             return estimate(profile(k), setup).peak_gb
 
-        if claimed and world_size in claimed:
-            tokens = claimed[world_size]
-            if tokens is None and peak(1) > budget_gb:
-                return Fit(world_size, budget_gb, None, None, False)
-            k = (tokens or 0) // step
-            if tokens is not None and k * step == tokens and 1 <= k <= MAX_STEPS and \
-                    peak(k) <= budget_gb and (k == MAX_STEPS or peak(k + 1) > budget_gb):
+        tokens = (claimed or {}).get(world_size, ())
+        if tokens is None and peak(1) > budget_gb:  # claimed: none fits
+            return Fit(world_size, budget_gb, None, None, False)
+        if isinstance(tokens, int) and tokens % step == 0 and 1 <= tokens // step <= MAX_STEPS:
+            k = tokens // step
+            if peak(k) <= budget_gb and (k == MAX_STEPS or peak(k + 1) > budget_gb):
                 return Fit(world_size, budget_gb, tokens, peak(k), k == MAX_STEPS)
         if peak(1) > budget_gb:
             return Fit(world_size, budget_gb, None, None, False)

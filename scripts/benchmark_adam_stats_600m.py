@@ -30,8 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--settings", nargs="+", default=list(adam_stats_600m.SETTINGS),
                         choices=list(adam_stats_600m.SETTINGS),
-                        help="the settings measured (default: all), in this order; fp32 "
-                        "first is the CPU-time ratios' baseline")
+                        help="the settings measured (default: all); the CPU-time ratios are "
+                        "against fp32's when it is among them")
     parser.add_argument("--report-only", metavar="JSON", default=None,
                         help="rewrite the report from a saved benchmark_adam_stats_600m.json")
     return parser

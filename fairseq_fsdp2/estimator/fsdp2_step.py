@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..sharding.plan import LAYER, ROOT
-from ..sharding.tied_grad_reduce import INDEX_BYTES, chunk_rows, sparse_fits
+from ..sharding.tied_grad_reduce import INDEX_BYTES, buffer_is_input, chunk_rows, sparse_fits
 from .ledger import (Ledger, Setup, optimizer_state_bytes, shard_rows, step_temporary_bytes,
                      unit_sizes)
 from .lora import trained_sizes
@@ -171,7 +171,7 @@ class _FSDP2Step:
         V, d, led = self.p.vocab, self.p.embed_dim, self.led
         local_rows, padded_rows = shard_rows(V, self.shards, self.rank)
         gloo = self.s.device == "cpu"
-        in_place = self.c == self.rb and (gloo or V % self.shards == 0)
+        in_place = buffer_is_input(self.c == self.rb, gloo, V, self.shards)
         out = (local_rows if in_place and gloo else padded_rows) * d * self.rb
         chunk = 0 if in_place else \
             self.shards * chunk_rows(self.shards, d, self.rb, padded_rows) * d * self.rb

@@ -81,6 +81,13 @@ def sparse_fits(gathered_rows: int, dim: int, element_bytes: int, vocab: int) ->
     return gathered_rows * (dim * element_bytes + INDEX_BYTES) <= vocab * dim * element_bytes
 
 
+def buffer_is_input(same_dtype: bool, gloo: bool, vocab: int, shards: int) -> bool:
+    """Whether the dense buffer itself is the reduction's input (no chunk copies): in the
+    reduce dtype, and on gloo (all-reduced in place) or with every shard the same rows (NCCL's
+    reduce-scatter reads it as it is). The estimator follows the same rule."""
+    return same_dtype and (gloo or vocab % shards == 0)
+
+
 def chunk_rows(shards: int, dim: int, element_bytes: int, shard_rows: int,
                limit: int = ROW_CHUNK_BYTES) -> int:
     """Rows of each rank's shard reduced per call: the input (shards x rows x dim) within
@@ -127,11 +134,10 @@ class TiedShardReducer:
         return float(factor) if factor is not None else float(n)
 
     def in_place(self, dense: torch.Tensor, reduce_dtype: torch.dtype) -> bool:
-        """Whether ``dense`` itself is the reduction's input (no chunk copies): in the reduce
-        dtype, and on gloo (all-reduced in place) or with every shard the same size (NCCL's
-        reduce-scatter reads it as it is)."""
-        return dense.dtype == reduce_dtype and (isinstance(self.comm, AllReduceReduceScatter)
-                                                or self.vocab == self.shards * self.padded_rows)
+        """Whether ``dense`` itself is the reduction's input (``buffer_is_input``)."""
+        return buffer_is_input(dense.dtype == reduce_dtype,
+                               isinstance(self.comm, AllReduceReduceScatter), self.vocab,
+                               self.shards)
 
     def reduce_dense(self, dense: torch.Tensor, reduce_dtype: torch.dtype,
                      into: Optional[torch.Tensor] = None) -> torch.Tensor:

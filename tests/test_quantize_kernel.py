@@ -2,7 +2,8 @@
 tensor operations compute (optimizer/blockwise_8bit.py), bit for bit: the same codes and block
 maxima from the same draws, and the same dequantized values. Exactness, not a tolerance: both
 do the same float32 operations in the same order (the kernel is built without fused
-multiply-add), so any difference is a bug. tests/test_quantize_law.py proves the rounding law
+multiply-add), so any difference is a bug. Every version of the kernel's loops that this CPU
+runs is compared (plain C++ everywhere, AVX-512 where the CPU has it). tests/test_quantize_law.py proves the rounding law
 on the default path (the kernel where built).
 
 Inputs meant to reach every branch: rows that are a whole number of blocks and rows that end
@@ -54,13 +55,22 @@ def tensor(rows: int, row: int, signed: bool, seed: int) -> torch.Tensor:
     return x if signed else x.abs()
 
 
+def versions() -> list[int]:
+    """The kernel's loop versions this CPU runs (none where the kernel is not built)."""
+    module = kernels.blockwise_8bit()
+    return [] if module is None else list(range(module.best_isa() + 1))
+
+
 @pytest.mark.parametrize("rows,row", [(40, 3 * BLOCK), (33, 300), (9, 1000),
                                       (CPU_CHUNK // 512 + 5, 512)])
 @pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("isa", [kernels.PLAIN, kernels.AVX512])
 def test_the_kernel_quantizes_and_dequantizes_as_the_eager_code_bit_for_bit(
-        built, rows, row, signed):
+        built, rows, row, signed, isa):
+    if isa not in versions():
+        pytest.skip("this CPU has no AVX-512: the plain loops run here, and are compared")
     x = tensor(rows, row, signed, seed=rows * row)
-    codes, absmax = quantize(x, signed, torch.Generator().manual_seed(7))
+    codes, absmax = quantize(x, signed, torch.Generator().manual_seed(7), isa=isa)
     codes_e, absmax_e = quantize(x, signed, torch.Generator().manual_seed(7), kernel=False)
     finite = x.isfinite().all(-1)
     assert rows <= 6 or not finite[5]
@@ -70,7 +80,7 @@ def test_the_kernel_quantizes_and_dequantizes_as_the_eager_code_bit_for_bit(
     differ = (codes != codes_e).nonzero()
     assert not len(differ), (f"{len(differ)} codes differ, first at {differ[0].tolist()}: "
                              f"{codes[tuple(differ[0])]} vs {codes_e[tuple(differ[0])]}")
-    values = dequantize(codes, absmax, signed)
+    values = dequantize(codes, absmax, signed, isa=isa)
     values_e = dequantize(codes, absmax, signed, kernel=False)
     assert torch.equal(values.view(torch.int32), values_e.view(torch.int32))
 

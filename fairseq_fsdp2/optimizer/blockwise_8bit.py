@@ -191,6 +191,15 @@ class _Tables:
         # divided by DRAWS (exact: a power of 2): the quotient is up x DRAWS; index 255 is never
         # a lower neighbour
         self.gap = (torch.cat([gap, gap[-1:]]) / DRAWS).to(device)
+        # the C++ kernel reads each pair with one load: (low, after) by prefix, (value, gap)
+        # by code, the first in the low 32 bits of an int64
+        self.by_prefix = _pairs(self.low, self.after)
+        self.by_code = _pairs(self.value, self.gap)
+
+
+def _pairs(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """int64 entries holding the 32-bit patterns of ``low`` (low half) and ``high``."""
+    return (low.view(torch.int32).long() & 0xFFFFFFFF) | (high.view(torch.int32).long() << 32)
 
 
 @lru_cache(maxsize=None)
@@ -213,11 +222,12 @@ def _row_chunks(rows: int, row: int, device: torch.device):
 
 def quantize(x: torch.Tensor, signed: bool, generator: torch.Generator,
              codes: Optional[torch.Tensor] = None, absmax: Optional[torch.Tensor] = None,
-             kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+             kernel: bool = True, isa: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (float32, rows first) as (uint8 codes shaped like x, float32 absmax of shape
     absmax_shape(x.shape)), into ``codes`` / ``absmax`` if given (contiguous). On CPU the C++
     kernel (kernels.py) computes each chunk where it is built, unless ``kernel`` is False: the
-    eager tensor operations, the same results bit for bit."""
+    eager tensor operations, the same results bit for bit. ``isa``: the most capable version
+    of the kernel's loop to run (kernels.PLAIN, kernels.AVX512; -1: the best the CPU has)."""
     if x.dtype != torch.float32:
         raise ValueError(f"expected a float32 tensor, got {x.dtype}")
     rows, blocks = absmax_shape(x.shape)
@@ -237,8 +247,8 @@ def quantize(x: torch.Tensor, signed: bool, generator: torch.Generator,
         part, n = flat[start:end], (end - start) * blocks * BLOCK
         if compiled is not None:
             draws = work.draws[:n // 4].random_(-1 << 63, None, generator=generator)
-            compiled.quantize_rows(part.contiguous(), draws, tables.low, tables.after,
-                                   tables.value, tables.gap, out[start:end], absmax[start:end])
+            compiled.quantize_rows(part.contiguous(), draws, tables.by_prefix, tables.by_code,
+                                   out[start:end], absmax[start:end], isa)
             continue
         scaled = work.f32a[:n].view(end - start, blocks * BLOCK)
         if blocks * BLOCK != row:  # the last block of each row: zeros after the row's end
@@ -323,9 +333,10 @@ class _Workspace:
 
 
 def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool,
-               out: Optional[torch.Tensor] = None, kernel: bool = True) -> torch.Tensor:
+               out: Optional[torch.Tensor] = None, kernel: bool = True,
+               isa: int = -1) -> torch.Tensor:
     """The float32 values that ``codes`` and ``absmax`` (``quantize``'s) stand for (on CPU by
-    the C++ kernel where it is built and ``kernel``: the same values)."""
+    the C++ kernel where it is built and ``kernel``: the same values; ``isa`` as quantize's)."""
     rows, blocks = absmax_shape(codes.shape)
     row = math.prod(codes.shape[1:])
     if out is None:
@@ -336,7 +347,7 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool,
     flat, dest = codes.reshape(rows, row), out.view(rows, row)
     compiled = _kernel(codes.device, kernel)
     if compiled is not None:
-        compiled.dequantize_rows(flat.contiguous(), absmax.contiguous(), qmap, dest)
+        compiled.dequantize_rows(flat.contiguous(), absmax.contiguous(), qmap, dest, isa)
         return out
     step = max(1, chunk_elements(codes.device) // max(row, 1))
     index = _Workspace.int32(min(step, rows) * row, codes.device)

@@ -31,6 +31,9 @@ NAME = "fairseq_fsdp2_blockwise_8bit"
 #: no fused multiply-add: the kernel's float32 operations are the eager code's, rounding alike
 CFLAGS = ["-O3", "-ffp-contract=off"]
 DISABLE = "FAIRSEQ_FSDP2_NO_KERNELS"
+#: the versions of the 8-bit kernel's loops (``isa``; the module's ``best_isa()`` says which
+#: this CPU runs): plain C++, and AVX-512 where the CPU has it (gathers of 16 lanes)
+PLAIN, AVX512 = 0, 1
 
 _lock = threading.Lock()
 #: the loaded module (or None: unavailable), once per process: loading is a one-time cost of
@@ -39,8 +42,8 @@ _loaded: dict[str, Optional[ModuleType]] = {}
 
 
 def blockwise_8bit() -> Optional[ModuleType]:
-    """The compiled module (``quantize_rows``, ``dequantize_rows``), or None where it cannot
-    be built or is disabled."""
+    """The compiled module (``quantize_rows``, ``dequantize_rows``, ``best_isa``), or None
+    where it cannot be built or is disabled."""
     with _lock:
         if NAME not in _loaded:
             _loaded[NAME] = _build()
@@ -65,5 +68,6 @@ def main() -> int:
     if module is None:
         print("fairseq_fsdp2 kernels: not built (the eager code runs): see the warning above")
         return 0
-    print(f"fairseq_fsdp2 kernels: {module.__file__}")
+    versions = {PLAIN: "plain C++", AVX512: "AVX-512"}
+    print(f"fairseq_fsdp2 kernels: {module.__file__} ({versions[module.best_isa()]} loops)")
     return 0

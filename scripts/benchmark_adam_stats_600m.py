@@ -32,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
                         choices=list(adam_stats_600m.SETTINGS),
                         help="the settings measured (default: all); the CPU-time ratios are "
                         "against fp32's when it is among them")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the settings in turn this many times: medians over the "
+                        "rounds, ratios against fp32 within a round (one run per setting "
+                        "moves with the machine's load)")
     parser.add_argument("--report-only", metavar="JSON", default=None,
                         help="rewrite the report from a saved benchmark_adam_stats_600m.json")
     return parser
@@ -43,6 +47,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.updates < 2 and not args.report_only:
         parser.error("--updates must be at least 2: the first update is not timed")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     return adam_stats_600m.main(args, command_of("scripts/benchmark_adam_stats_600m.py", argv))
 
 

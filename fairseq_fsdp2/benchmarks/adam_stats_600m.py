@@ -13,6 +13,11 @@ wall time and as the rank's CPU time, which the other processes of a shared mach
 inflate (the ratios against fp32 moments are taken on CPU time). fp16 compute is not measured: on CPU it
 does not finish an update of this size in 25 minutes (shared/notes); bf16 holds the same bytes.
 
+With ``--rounds N`` the settings run in turn N times (fp32, 8-bit, fp32, 8-bit, ...): a setting's
+figures are the medians over its rounds, and its ratio against fp32 moments the median of the
+ratios within a round. One run per setting, one after the other, is not enough on a shared VM:
+the same code's CPU time per update outside the step moved by up to 20% between them.
+
 Replaces the section between the markers in docs/benchmarks.md; scripts/benchmark_adam_stats_600m.py
 parses the arguments.
 """
@@ -46,6 +51,8 @@ COMMON = ["--bf16", "--log-interval", "1000"]
 #: here, as importing it patches fairseq's Trainer)
 TIMERS = "fairseq_fsdp2.benchmarks.update_timers"
 UPDATE = "UPDATE "
+#: the times a run reports (timings), each the median over updates 2 onward
+TIMED = ("update_s", "step_s", "update_cpu_s", "step_cpu_s")
 
 
 def timings(outputs: list[str]) -> dict:
@@ -60,6 +67,7 @@ def timings(outputs: list[str]) -> dict:
         later = [r for r in rows if r["update"] > 1]
         assert later, out[-2000:]
         per_rank.append({k: statistics.median(r[v] for r in later) for k, v in keys.items()})
+    assert set(keys) == set(TIMED)
     return {**{k: round(max(r[k] for r in per_rank), 2) for k in keys},
             "updates_timed": len(later)}
 
@@ -83,6 +91,21 @@ def measure_setting(data: Path, work: Path, args, flags: list[str]) -> dict:
             "wall_s": round(time.time() - t0, 1), "load": os.getloadavg()[0]}
 
 
+def combined(runs: list[dict]) -> dict:
+    """A setting's row from its rounds' runs: the largest peaks, the median times, and the
+    runs themselves (for the ratios within a round)."""
+    row = {k: statistics.median(run[k] for run in runs) for k in TIMED}
+    row["peaks_gb"] = [max(peaks) for peaks in zip(*(run["peaks_gb"] for run in runs))]
+    return {**runs[-1], **row, "runs": runs}
+
+
+def against(row: dict, base: dict, key: str) -> float:
+    """``row``'s ``key`` over ``base``'s: the median over rounds of the ratio within a round
+    (a row saved before rounds existed: the one run's ratio)."""
+    pairs = zip(row.get("runs", [row]), base.get("runs", [base]))
+    return statistics.median(run[key] / first[key] for run, first in pairs)
+
+
 def report(rows: dict, info: dict, meta: dict) -> str:
     lines = [
         BEGIN, "## Adam's moments in 32, 16 and 8 bits: real NLLB-600M dimensions, 2 ranks", "",
@@ -94,7 +117,11 @@ def report(rows: dict, info: dict, meta: dict) -> str:
         f"(`FairseqOptimizer.step`), timed in each rank (`benchmarks/update_timers.py`): the "
         f"median over updates 2-{meta['updates']}, the slower rank's, as wall time and as the "
         f"rank's CPU time (`time.process_time`: not inflated by other processes on the "
-        f"machine; waits in collectives do not count); load average "
+        f"machine; waits in collectives do not count)"
+        + (f"; the settings ran in turn {meta['rounds']} times, each figure the median over "
+           f"the rounds and each ratio against fp32 moments the median of the ratios within a "
+           f"round" if meta.get("rounds", 1) > 1 else "")
+        + "; load average "
         + ", ".join(f"{row['load']:.1f}" for row in rows.values()) + " at the settings' ends.",
         "",
         "| Adam's moments | rank 0 GiB | rank 1 GiB | predicted GiB | s per update | "
@@ -105,7 +132,7 @@ def report(rows: dict, info: dict, meta: dict) -> str:
     for name, row in rows.items():
         cells = " | ".join(f"{p:.2f}" for p in row["peaks_gb"])
         timed = (f" {row['update_s']:.1f} | {row['update_cpu_s']:.1f} | {row['step_s']:.2f} | "
-                 f"{row['step_cpu_s']:.2f} | {row['update_cpu_s'] / base:.2f}x |"
+                 f"{row['step_cpu_s']:.2f} | {against(row, fp32, 'update_cpu_s'):.2f}x |"
                  if base else " - | - | - | - | - |")
         lines.append(f"| {name} | {cells} | {row['predicted_gb']:.2f} |{timed}")
     if EIGHT_BIT_FLAG in rows and "--bf16-adam-stats" in rows:
@@ -116,10 +143,10 @@ def report(rows: dict, info: dict, meta: dict) -> str:
     if base and EIGHT_BIT_FLAG in rows:
         eight = rows[EIGHT_BIT_FLAG]
         lines += ["", f"8-bit moments cost {eight['update_cpu_s'] - base:.1f} CPU s per update "
-                      f"more than float32 ones ({eight['update_cpu_s'] / base:.2f}x; the goal, "
-                      f"issue 47: 1.15x at most), "
+                      f"more than float32 ones ({against(eight, fp32, 'update_cpu_s'):.2f}x; the "
+                      f"goal, issue 47: 1.15x at most), "
                       f"{eight['step_cpu_s'] - fp32['step_cpu_s']:.1f} s of it in the optimizer "
-                      f"step; in wall time {eight['update_s'] / fp32['update_s']:.2f}x."]
+                      f"step; in wall time {against(eight, fp32, 'update_s'):.2f}x."]
     narrow = rows.get(SETTINGS["8bit-bf16-grads"][0])
     if narrow:
         lines += ["", f"With the optimizer step's memory settings ({SETTINGS['8bit-bf16-grads'][0]}"
@@ -135,11 +162,16 @@ def main(args: argparse.Namespace, command_line: str) -> int:
     """Measure every setting (or reload them, --report-only), replace the section of --out, save
     the rows (benchmark_adam_stats_600m.json in --work)."""
     def measure(data: Path, work: Path) -> dict:
-        rows = {label: measure_setting(data, work, args, flags)
-                for name, (label, flags) in SETTINGS.items() if name in args.settings}
-        return {"rows": rows, "meta": {"command": command_line, "date": time.strftime("%Y-%m-%d"),
-                                       "ranks": args.ranks, "max_tokens": args.max_tokens,
-                                       "updates": args.updates}}
+        chosen = {label: flags for name, (label, flags) in SETTINGS.items()
+                  if name in args.settings}
+        runs = {label: [] for label in chosen}
+        for _ in range(args.rounds):  # in turn: neighbours in time share the machine's state
+            for label, flags in chosen.items():
+                runs[label].append(measure_setting(data, work, args, flags))
+        return {"rows": {label: combined(r) for label, r in runs.items()},
+                "meta": {"command": command_line, "date": time.strftime("%Y-%m-%d"),
+                         "ranks": args.ranks, "max_tokens": args.max_tokens,
+                         "updates": args.updates, "rounds": args.rounds}}
 
     saved = measured_or_saved(args, "benchmark_adam_stats_600m.json", measure)
     text = report(saved["rows"], versions(), saved["meta"])

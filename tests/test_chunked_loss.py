@@ -32,6 +32,7 @@ from fairseq_fsdp2.criterions.chunked import (
     CrossEntropyChunkedCriterion,
     LabelSmoothedCrossEntropyChunkedCriterion,
 )
+from fairseq_fsdp2.criterions.fused import float_rows, fused_pass
 
 ROOT = Path(__file__).resolve().parents[1]
 NLLB_VOCAB = 256_206
@@ -344,6 +345,36 @@ def test_16_bit_loss_and_gradients_match_stock(small, dtype, hint):
     assert float(got_log["loss"]) == pytest.approx(float(want_log["loss"]), rel=1e-5)
     assert float(got_log["nll_loss"]) == pytest.approx(float(want_log["nll_loss"]), rel=1e-5)
     assert (got - want).norm() <= 8 * UNIT_ROUNDOFF[dtype] * want.norm()
+
+
+@pytest.mark.parametrize("dtype,hint", [(torch.float32, None), (torch.bfloat16, None),
+                                        (torch.float16, 128.0), (torch.float16, None)])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_logits_widened_a_block_of_rows_at_a_time_give_the_same_bits(dtype, hint, eps):
+    """fused_pass widens FLOAT_ELEMENTS logits at a time to float32 (a block of a chunk's
+    rows); each row's float32 operations are the same as over the whole chunk at once, so the
+    loss sums, accuracy and both gradients are the same bits. One thread: with fewer rows than
+    threads torch may split a long row's reduction between threads (a reassociation, which the
+    comparisons with the stock criterion above bound)."""
+    g = torch.Generator().manual_seed(5)
+    vocab, dim, tokens = 1000, 16, 20
+    features = (torch.randn(tokens, dim, generator=g) * 2).to(dtype)
+    weight = (torch.randn(vocab, dim, generator=g) * 2).to(dtype)
+    target = torch.randint(0, vocab, (tokens,), generator=g)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        results = [fused_pass(features, weight, target, eps=eps, chunk_tokens=7, accuracy=True,
+                              grad_scale=hint, need_features_grad=True, need_weight_grad=True,
+                              float_elements=elements)
+                   for elements in (3 * vocab, 10 ** 9)]  # blocks of 3 rows; chunks whole
+    finally:
+        torch.set_num_threads(threads)
+    (sums, correct, grad_features, grad_weight), whole = results
+    assert float_rows(vocab, 3 * vocab) == 3 and float_rows(vocab, 10 ** 9) > 7
+    assert torch.equal(sums, whole[0]) and torch.equal(correct, whole[1])
+    for got, want in ((grad_features, whole[2]), (grad_weight, whole[3])):
+        assert got.dtype == want.dtype and torch.equal(got, want)
 
 
 # -- 2. peak memory --------------------------------------------------------------------------

@@ -42,8 +42,10 @@ from .fused import fused_vocabulary_loss
 
 #: From the chunk-size sweep (docs/benchmarks.md, scripts/benchmark_loss.py): on the NLLB-shaped
 #: model 64 to 4096 tokens ran at the same words/s within run-to-run noise (all 1.6-1.8x the
-#: stock loss), while each token of a chunk holds one vocabulary-sized fp32 row (1 MiB at
-#: 256,206 words): 256 keeps that at 0.25 GiB, with chunks large enough for GPU matmuls.
+#: stock loss), while each token of a chunk holds one vocabulary-sized row of logits (1 MiB at
+#: 256,206 words in fp32, half that in 16 bits, whose float32 log-softmax fused.py computes a
+#: block of rows at a time): 256 keeps them at 0.25 GiB at most, with chunks large enough for
+#: GPU matmuls.
 DEFAULT_CHUNK_TOKENS = 256
 CHUNK_HELP = ("compute the output projection, log-softmax, loss and their gradients over chunks "
               "of this many target tokens in one pass, so the tokens x vocabulary logits never "

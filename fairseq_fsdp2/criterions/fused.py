@@ -9,8 +9,13 @@ loss with respect to the logits, and from it the chunk's gradient with respect t
 and its contribution to the weight gradient; then the chunk's logits are freed. Backward only
 scales the stored gradients by ``grad_output``. (The approach of Liger Kernel's fused linear
 cross-entropy and of Cut Cross-Entropy.) Peak extra memory: one chunk's tokens x vocabulary
-float32 block (plus its copy in a 16-bit compute dtype), the tokens x dim feature gradient and
-the vocabulary x dim weight gradient, which the stock path also creates in backward.
+logits in the compute dtype, a float32 copy of FLOAT_ELEMENTS of them (a block of the chunk's
+rows, whose log-softmax and gradient are computed, the gradient then written over their logits:
+the same per-row float32 operations as over the whole chunk at once, so the same results, and
+no float32 tokens x vocabulary block beside its 16-bit copy), the tokens x dim feature gradient
+and the vocabulary x dim weight gradient, which the stock path also creates in backward. (With
+float32 weights the logits are the float32 block; unhinted fp16, below, keeps a float32
+gradient block per chunk.)
 
 Where the weight gradient goes: returned from backward for the ``weight`` input, autograd adds
 it to that tensor's other gradients (``.grad`` of the parameter, or FSDP2's unsharded gradient).
@@ -35,6 +40,27 @@ from typing import Optional
 
 import torch
 
+#: logits copied to float32 at once (a block of a chunk's rows): 2^23, 32 MiB, about 32 tokens
+#: at NLLB's 256,206 words (against 0.24 GiB for a 256-token chunk whole)
+FLOAT_ELEMENTS = 1 << 23
+
+
+def float_rows(vocab: int, float_elements: int = FLOAT_ELEMENTS) -> int:
+    """Rows of a chunk whose float32 log-softmax is computed at once."""
+    return max(1, float_elements // max(vocab, 1))
+
+
+def chunk_bytes(tokens: int, vocab: int, compute_bytes: int, grad_bytes: int) -> int:
+    """Bytes of temporaries a chunk of ``tokens`` holds at once (the estimator's figure): its
+    logits in the compute dtype, and a float32 block of rows (16-bit gradients) or the chunk's
+    float32 gradient (unhinted fp16); float32 logits are their own block."""
+    logits = tokens * vocab * compute_bytes
+    if compute_bytes == 4:
+        return logits
+    if grad_bytes == 4:
+        return logits + tokens * vocab * 4
+    return logits + min(float_rows(vocab), tokens) * vocab * 4
+
 
 def _grad_dtype(weight: torch.Tensor, grad_scale: Optional[float]) -> torch.dtype:
     if weight.dtype == torch.float16 and grad_scale is None:
@@ -44,12 +70,14 @@ def _grad_dtype(weight: torch.Tensor, grad_scale: Optional[float]) -> torch.dtyp
 
 def fused_pass(features: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
                eps: float, chunk_tokens: int, accuracy: bool, grad_scale: Optional[float],
-               need_features_grad: bool, need_weight_grad: bool, weight_grad=None):
+               need_features_grad: bool, need_weight_grad: bool, weight_grad=None,
+               float_elements: int = FLOAT_ELEMENTS):
     """One pass over the chunks. Returns ([loss, nll_loss] float32, n_correct or None,
     features gradient or None, weight gradient or None), gradients times ``grad_scale``.
 
     ``weight_grad``: the tied-gradient hub, whose ``add_outer(g, x, dtype)`` adds each chunk's
-    weight gradient into its one buffer in place, instead of a buffer of this function's own."""
+    weight gradient into its one buffer in place, instead of a buffer of this function's own.
+    ``float_elements``: logits widened to float32 at once (float_rows)."""
     n, vocab = features.size(0), weight.size(0)
     gdtype = _grad_dtype(weight, grad_scale)
     scale = 1.0 if grad_scale is None else float(grad_scale)
@@ -62,38 +90,60 @@ def fused_pass(features: torch.Tensor, weight: torch.Tensor, target: torch.Tenso
     sink = weight_grad if weight_grad is not None else _Buffer()
     sums = torch.zeros(2, dtype=torch.float32, device=features.device)
     n_correct = torch.zeros((), dtype=torch.long, device=features.device) if accuracy else None
+    rows_at_once = float_rows(vocab, float_elements)
+    block = None  # the float32 block of rows (16-bit logits and gradients), made once
     for start in range(0, n, chunk_tokens):
         x, t = features[start:start + chunk_tokens], target[start:start + chunk_tokens]
-        z = x.matmul(weight.t()).float()  # the logits, as the stock projection computes them
-        z_target = z.gather(1, t.unsqueeze(1)).squeeze(1)
-        if accuracy:  # argmax of the logits = argmax of the log-probabilities
-            n_correct += z.argmax(1).eq(t).sum()
-        z_sum = z.sum(1) if eps else None
-        z_max = z.amax(1, keepdim=True)
-        z.sub_(z_max).exp_()
-        total = z.sum(1, keepdim=True)
-        lse = (total.log() + z_max).squeeze(1)  # log-sum-exp of the logits
+        logits = x.matmul(weight.t())  # as the stock projection computes them
+        m = t.numel()
+        # the gradient's buffer: the logits themselves, unless unhinted fp16 keeps it in float32
+        g = logits if gdtype == logits.dtype or not need_grad else \
+            logits.new_empty(logits.shape, dtype=gdtype)
+        lse, z_target = (logits.new_empty(m, dtype=torch.float32) for _ in range(2))
+        z_sum = logits.new_empty(m, dtype=torch.float32) if eps else None
+        for r in range(0, m, rows_at_once):  # each row's float32 operations, a block of rows
+            rows, tr = slice(r, r + rows_at_once), t[r:r + rows_at_once]
+            if logits.dtype == torch.float32:  # float32 weights: in place
+                z = logits[rows]
+            elif g.dtype == torch.float32:  # unhinted fp16: widened into the gradient
+                z = g[rows].copy_(logits[rows])
+            else:
+                if block is None:
+                    block = logits.new_empty((min(rows_at_once, n), vocab), dtype=torch.float32)
+                z = block[:tr.numel()].copy_(logits[rows])
+            z_target[rows] = z.gather(1, tr.unsqueeze(1)).squeeze(1)
+            if accuracy:  # argmax of the logits = argmax of the log-probabilities
+                n_correct += z.argmax(1).eq(tr).sum()
+            if eps:
+                torch.sum(z, 1, out=z_sum[rows])
+            z_max = z.amax(1, keepdim=True)
+            z.sub_(z_max).exp_()
+            total = z.sum(1, keepdim=True)
+            lse[rows] = (total.log() + z_max).squeeze(1)  # log-sum-exp of the logits
+            if not need_grad:
+                continue
+            z.div_(total)  # softmax, in place of the logits
+            if eps_i:
+                z.sub_(eps_i)
+            z[torch.arange(tr.numel(), device=tr.device), tr] -= w_target
+            if scale != 1.0:
+                z.mul_(scale)
+            if g.dtype != torch.float32:  # the 16-bit gradient over the logits
+                g[rows].copy_(z)
         nll = lse - z_target
         sums[1] += nll.sum()
         if eps:
             sums[0] += w_target * nll.sum() + eps_i * (vocab * lse - z_sum).sum()
         else:
             sums[0] += nll.sum()
+        del logits
         if not need_grad:
             continue
-        g = z.div_(total)  # softmax, in place of the logits
-        if eps_i:
-            g.sub_(eps_i)
-        rows = torch.arange(t.numel(), device=t.device)
-        g[rows, t] -= w_target
-        if scale != 1.0:
-            g.mul_(scale)
-        g = g.to(gdtype)
         if need_features_grad:
             torch.mm(g, mm_weight, out=grad_features[start:start + chunk_tokens])
         if need_weight_grad:  # in place into the one buffer: no vocab x dim temporary
             sink.add_outer(g, x.to(gdtype), gdtype)
-        del z, g
+        del g
     if need_weight_grad and n == 0:  # every rank must hand FSDP2 a gradient
         sink.add_outer(features.new_zeros((0, vocab), dtype=gdtype),
                        features.new_zeros((0, features.size(1)), dtype=gdtype), gdtype)

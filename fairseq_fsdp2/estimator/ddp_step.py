@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from ..criterions.fused import chunk_bytes
 from .ledger import Ledger, Setup, optimizer_state_bytes, step_temporary_bytes
 from .model_profile import ModelProfile
 
@@ -44,7 +45,7 @@ def simulate_ddp(profile: ModelProfile, setup: Setup) -> Ledger:
         g = 4 if setup.precision == "fp16" else c
         weight_copy = V * d * 4 if setup.precision == "fp16" else 0
         led.add("loss", T * d * (c + g))  # the features and their gradient
-        chunk = n * V * (4 + (c if c != 4 else 0)) + weight_copy
+        chunk = chunk_bytes(n, V, c, g) + weight_copy
         led.moment("loss forward: one chunk", loss=chunk, grads=V * d * g)
         led.add("grads", V * d * g)
         led.sub("loss", T * d * (c + g))

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..sharding.plan import LAYER, ROOT
+from ..criterions.fused import chunk_bytes
 from ..sharding.tied_grad_reduce import INDEX_BYTES, buffer_is_input, chunk_rows, sparse_fits
 from .ledger import (Ledger, Setup, optimizer_state_bytes, shard_rows, step_temporary_bytes,
                      unit_sizes)
@@ -327,7 +328,7 @@ class _FSDP2Step:
         led.add("loss", T * d * c * 2)  # the non-padding features and their gradient
         regather = self.gathered.get(self.shared, 0) < self.full[self.shared]
         self.unshard(self.shared, f"loss: all-gather {self.shared}", forward=False)
-        chunk = n * V * (4 + (c if c != 4 else 0))  # float32 logits/softmax (+ 16-bit copy)
+        chunk = chunk_bytes(n, V, c, c)  # logits (float32 a block of rows at a time)
         # the weight gradient (the tied buffer, with it) is created by the first chunk
         vd = V * d * c * self.embedding_grad  # (a frozen embedding has none)
         led.moment("loss forward: one chunk", loss=chunk, grads=vd)

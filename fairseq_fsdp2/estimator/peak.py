@@ -13,7 +13,8 @@ fairseq allocate and free, and the largest total is the peak:
 - loss: the stock criterion holds the logits (tokens x vocab, compute dtype), their fp32 copy and
   the fp32 log-probabilities in forward, and 3 fp32 tokens x vocab tensors in backward (the saved
   log-probabilities, the gradient flowing in and the one flowing out); the fused chunked
-  criterion holds one chunk's fp32 logits (and their 16-bit copy) in forward, creates the weight
+  criterion holds one chunk's logits in forward (16-bit ones widened to fp32 a block of rows at a
+  time: criterions/fused.py chunk_bytes), creates the weight
   gradient there (with the tied-gradient buffer: the buffer itself), runs no projection in
   backward and never gathers the shared unit in backward;
 - backward: the output projection's weight gradient (vocab x dim) stays in autograd's buffer until

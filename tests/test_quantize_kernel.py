@@ -3,7 +3,8 @@ tensor operations compute (optimizer/blockwise_8bit.py), bit for bit: the same c
 maxima from the same draws, and the same dequantized values. Exactness, not a tolerance: both
 do the same float32 operations in the same order (the kernel is built without fused
 multiply-add), so any difference is a bug. Every version of the kernel's loops that this CPU
-runs is compared (plain C++ everywhere, AVX-512 where the CPU has it). tests/test_quantize_law.py proves the rounding law
+runs is compared (quantize's plain C++ loops everywhere, its AVX-512 loops where the CPU has
+them). tests/test_quantize_law.py proves the rounding law
 on the default path (the kernel where built).
 
 Inputs meant to reach every branch: rows that are a whole number of blocks and rows that end
@@ -80,7 +81,7 @@ def test_the_kernel_quantizes_and_dequantizes_as_the_eager_code_bit_for_bit(
     differ = (codes != codes_e).nonzero()
     assert not len(differ), (f"{len(differ)} codes differ, first at {differ[0].tolist()}: "
                              f"{codes[tuple(differ[0])]} vs {codes_e[tuple(differ[0])]}")
-    values = dequantize(codes, absmax, signed, isa=isa)
+    values = dequantize(codes, absmax, signed)
     values_e = dequantize(codes, absmax, signed, kernel=False)
     assert torch.equal(values.view(torch.int32), values_e.view(torch.int32))
 

@@ -44,6 +44,12 @@ def plugin_adam(param: torch.nn.Parameter, stats: str) -> torch.optim.Optimizer:
     return build_optimizer(cfg, [param]).optimizer
 
 
+def best_loops() -> int:
+    """The kernel's loops that run here (kernels.PLAIN or AVX512); PLAIN where not built."""
+    module = kernels.blockwise_8bit()
+    return kernels.PLAIN if module is None else module.best_isa()
+
+
 def measure(rows: int, cols: int, rounds: int) -> dict:
     """Median seconds of each operation over ``rounds`` interleaved rounds (a first, untimed
     round creates the moments and warms up)."""
@@ -72,6 +78,9 @@ def measure(rows: int, cols: int, rounds: int) -> dict:
                                                 kernel=False),
         "bf16 stochastic rounding": lambda: to_bf16_stochastic(scratch.copy_(x), g, out=bf16),
         **steppers}
+    if best_loops() != kernels.PLAIN:  # the kernel's plain loops, where vector ones run
+        ops["quantize, plain C++ loops (signed map)"] = lambda: quantize(
+            x, True, g, codes, absmax, isa=kernels.PLAIN)
     times: dict = {name: [] for name in ops}
     for round_ in range(rounds + 1):
         for name, op in ops.items():
@@ -92,8 +101,9 @@ def report(seconds: dict, info: dict, meta: dict) -> str:
              f"interleaved rounds. The optimizer step: the plugin's Adam "
              f"(`optimizer/build.py`) over that one parameter, moments widened, stepped and "
              f"stored again (`optimizer/adam_stats.py`). 8-bit rows: "
-             + ("the C++ kernel (`optimizer/kernels.py`), unless marked eager (the tensor "
-                "operations it replaces)." if meta.get("kernel") else
+             + (f"the C++ kernel (`optimizer/kernels.py`; its {meta.get('loops', 'plain')} "
+                f"loops, the best this CPU runs), unless marked eager (the tensor operations it "
+                f"replaces) or plain (its loops for any CPU)." if meta.get("kernel") else
                 "no C++ kernel was built: every row is the eager tensor operations."), "",
              "| operation | seconds | against the step with float32 moments |", "|---|---:|---:|"]
     lines += [f"| {name} | {s:.4f} | {s / fp32:.2f}x |" for name, s in seconds.items()]
@@ -104,6 +114,7 @@ def main(args: argparse.Namespace, command_line: str) -> int:
     seconds = measure(args.rows, args.cols, args.rounds)
     meta = {"command": command_line, "date": time.strftime("%Y-%m-%d"), "rows": args.rows,
             "kernel": kernels.blockwise_8bit() is not None,
+            "loops": {kernels.PLAIN: "plain C++", kernels.AVX512: "AVX-512"}[best_loops()],
             "cols": args.cols, "rounds": args.rounds, "load": os.getloadavg()[0]}
     text = report(seconds, versions(), meta)
     replace_section(Path(args.out), BEGIN, END, text)

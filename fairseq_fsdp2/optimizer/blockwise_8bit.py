@@ -333,10 +333,9 @@ class _Workspace:
 
 
 def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool,
-               out: Optional[torch.Tensor] = None, kernel: bool = True,
-               isa: int = -1) -> torch.Tensor:
+               out: Optional[torch.Tensor] = None, kernel: bool = True) -> torch.Tensor:
     """The float32 values that ``codes`` and ``absmax`` (``quantize``'s) stand for (on CPU by
-    the C++ kernel where it is built and ``kernel``: the same values; ``isa`` as quantize's)."""
+    the C++ kernel where it is built and ``kernel``: the same values)."""
     rows, blocks = absmax_shape(codes.shape)
     row = math.prod(codes.shape[1:])
     if out is None:
@@ -347,7 +346,7 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool,
     flat, dest = codes.reshape(rows, row), out.view(rows, row)
     compiled = _kernel(codes.device, kernel)
     if compiled is not None:
-        compiled.dequantize_rows(flat.contiguous(), absmax.contiguous(), qmap, dest, isa)
+        compiled.dequantize_rows(flat.contiguous(), absmax.contiguous(), qmap, dest)
         return out
     step = max(1, chunk_elements(codes.device) // max(row, 1))
     index = _Workspace.int32(min(step, rows) * row, codes.device)

@@ -6,16 +6,17 @@
 // with -ffp-contract=off), so the codes and block maxima are bit for bit the same
 // (tests/test_quantize_kernel.py compares them): only the passes over memory are fewer.
 //
-// Two versions of each block's loop, picked at run time by what the CPU has (``isa``): plain
-// C++ (any CPU, and a row's last, shorter block) and AVX-512 (16 lanes), whose table lookups
-// are gather instructions: the step's 8-bit cost is mostly these lookups, and gathers of 16
-// lanes took 0.6-0.7x the plain loop's time (scripts/benchmark_moment_storage.py); an AVX2
-// version (8 lanes) was no faster than the plain loop (AMD Zen 5) and is not kept. IEEE
-// float32 subtraction, division and multiplication round alike in a vector lane and in scalar
-// code, and a block's maximum does not depend on the order it is taken in (its -0.0 becomes
-// +0.0), so the versions agree bit for bit; the test runs every version the CPU has against
-// the eager code. The tables are read as pairs, one 64-bit load for both halves: for each
-// 16-bit prefix (low, after) and for each code (value, gap), packed by blockwise_8bit.py.
+// Two versions of quantize's loop, picked at run time by what the CPU has (``isa``): plain C++
+// (any CPU, and a row's last, shorter block) and AVX-512 (16 lanes), whose table lookups are
+// gather instructions. The lookups are most of the kernel's time: on a 4096 x 4096 tensor
+// (AMD Zen 5, one thread, the draws excluded) the AVX-512 loops took 0.6x the plain ones'
+// time (scripts/benchmark_moment_storage.py has both, draws included); an AVX2 version (8
+// lanes) was no faster than the plain loops and is not kept. IEEE float32 subtraction and
+// division round alike in a vector lane and in scalar code, and a block's maximum does not
+// depend on the order it is taken in (its -0.0 becomes +0.0), so the versions agree bit for
+// bit; the test runs every version the CPU has against the eager code. The tables are read
+// as pairs, one 64-bit load for both halves: for each 16-bit prefix (low, after) and for each
+// code (value, gap), packed by blockwise_8bit.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -145,20 +146,6 @@ __attribute__((target("avx512f"))) float quantize_avx512(const float* p, const u
   return peak;
 }
 
-void dequantize_plain(const uint8_t* c, int64_t n, const float* q, float scale, float* out) {
-  for (int64_t i = 0; i < n; ++i) out[i] = q[c[i]] * scale;
-}
-
-__attribute__((target("avx512f"))) void dequantize_avx512(const uint8_t* c, const float* q,
-                                                          float scale, float* out) {
-  const __m512 by = _mm512_set1_ps(scale);
-  for (int64_t i = 0; i < kBlock; i += 16) {
-    const __m512i code =
-        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + i)));
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_i32gather_ps(code, q, 4), by));
-  }
-}
-
 }  // namespace
 
 // x: (rows, row) float32, contiguous. draws: int64, at least rows * blocks * 256 / 4 of them,
@@ -200,9 +187,10 @@ void quantize_rows(const torch::Tensor& x, const torch::Tensor& draws,
 }
 
 // codes: (rows, row) uint8; absmax: (rows, blocks) float32; qmap: the 256 map values;
-// out: (rows, row) float32 = qmap[code] x its block's maximum. isa: as quantize_rows'.
+// out: (rows, row) float32 = qmap[code] x its block's maximum. One version: gathers of 16
+// lanes were no faster than this loop (AMD Zen 5).
 void dequantize_rows(const torch::Tensor& codes, const torch::Tensor& absmax,
-                     const torch::Tensor& qmap, torch::Tensor out, int64_t isa) {
+                     const torch::Tensor& qmap, torch::Tensor out) {
   TORCH_CHECK(codes.dtype() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 2);
   TORCH_CHECK(out.dtype() == torch::kFloat32 && out.is_contiguous());
   TORCH_CHECK(absmax.dtype() == torch::kFloat32 && absmax.is_contiguous());
@@ -213,18 +201,14 @@ void dequantize_rows(const torch::Tensor& codes, const torch::Tensor& absmax,
   const float* am = absmax.data_ptr<float>();
   const float* q = qmap.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  const int level = chosen(isa);
   at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) {
       const int64_t r = k / blocks, j0 = (k % blocks) * kBlock;
       const int64_t n = std::min(kBlock, row - j0);
       const uint8_t* cb = c + r * row + j0;
       float* ob = o + r * row + j0;
-      if (n < kBlock || level == kPlain) {
-        dequantize_plain(cb, n, q, am[k], ob);
-      } else {
-        dequantize_avx512(cb, q, am[k], ob);
-      }
+      const float scale = am[k];
+      for (int64_t i = 0; i < n; ++i) ob[i] = q[cb[i]] * scale;
     }
   });
 }
@@ -237,6 +221,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("dequantize_rows", &dequantize_rows, "block-wise 8-bit dequantization of rows (CPU)",
         py::arg("codes"), py::arg("absmax"), py::arg("qmap"), py::arg("out"),
-        py::arg("isa") = -1, py::call_guard<py::gil_scoped_release>());
+        py::call_guard<py::gil_scoped_release>());
   m.def("best_isa", &best_isa, "the most capable version this CPU runs: 0 plain, 1 AVX-512");
 }

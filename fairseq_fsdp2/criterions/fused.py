@@ -109,7 +109,8 @@ def fused_pass(features: torch.Tensor, weight: torch.Tensor, target: torch.Tenso
                 z = g[rows].copy_(logits[rows])
             else:
                 if block is None:
-                    block = logits.new_empty((min(rows_at_once, n), vocab), dtype=torch.float32)
+                    block = logits.new_empty((min(rows_at_once, chunk_tokens, n), vocab),
+                                             dtype=torch.float32)
                 z = block[:tr.numel()].copy_(logits[rows])
             z_target[rows] = z.gather(1, tr.unsqueeze(1)).squeeze(1)
             if accuracy:  # argmax of the logits = argmax of the log-probabilities

@@ -44,12 +44,6 @@ def plugin_adam(param: torch.nn.Parameter, stats: str) -> torch.optim.Optimizer:
     return build_optimizer(cfg, [param]).optimizer
 
 
-def best_loops() -> int:
-    """The kernel's loops that run here (kernels.PLAIN or AVX512); PLAIN where not built."""
-    module = kernels.blockwise_8bit()
-    return kernels.PLAIN if module is None else module.best_isa()
-
-
 def measure(rows: int, cols: int, rounds: int) -> dict:
     """Median seconds of each operation over ``rounds`` interleaved rounds (a first, untimed
     round creates the moments and warms up)."""
@@ -78,7 +72,7 @@ def measure(rows: int, cols: int, rounds: int) -> dict:
                                                 kernel=False),
         "bf16 stochastic rounding": lambda: to_bf16_stochastic(scratch.copy_(x), g, out=bf16),
         **steppers}
-    if best_loops() != kernels.PLAIN:  # the kernel's plain loops, where vector ones run
+    if kernels.best_loops() != kernels.PLAIN:  # the kernel's plain loops, where vector ones run
         ops["quantize, plain C++ loops (signed map)"] = lambda: quantize(
             x, True, g, codes, absmax, isa=kernels.PLAIN)
     times: dict = {name: [] for name in ops}
@@ -114,7 +108,7 @@ def main(args: argparse.Namespace, command_line: str) -> int:
     seconds = measure(args.rows, args.cols, args.rounds)
     meta = {"command": command_line, "date": time.strftime("%Y-%m-%d"), "rows": args.rows,
             "kernel": kernels.blockwise_8bit() is not None,
-            "loops": {kernels.PLAIN: "plain C++", kernels.AVX512: "AVX-512"}[best_loops()],
+            "loops": kernels.LOOP_NAMES[kernels.best_loops()],
             "cols": args.cols, "rounds": args.rounds, "load": os.getloadavg()[0]}
     text = report(seconds, versions(), meta)
     replace_section(Path(args.out), BEGIN, END, text)

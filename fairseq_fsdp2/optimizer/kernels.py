@@ -34,6 +34,8 @@ DISABLE = "FAIRSEQ_FSDP2_NO_KERNELS"
 #: the versions of the 8-bit kernel's loops (``isa``; the module's ``best_isa()`` says which
 #: this CPU runs): plain C++, and AVX-512 where the CPU has it (gathers of 16 lanes)
 PLAIN, AVX512 = 0, 1
+#: how reports name them
+LOOP_NAMES = {PLAIN: "plain C++", AVX512: "AVX-512"}
 
 _lock = threading.Lock()
 #: the loaded module (or None: unavailable), once per process: loading is a one-time cost of
@@ -48,6 +50,12 @@ def blockwise_8bit() -> Optional[ModuleType]:
         if NAME not in _loaded:
             _loaded[NAME] = _build()
         return _loaded[NAME]
+
+
+def best_loops() -> int:
+    """The 8-bit kernel's most capable loops this CPU runs (PLAIN where it is not built)."""
+    module = blockwise_8bit()
+    return PLAIN if module is None else module.best_isa()
 
 
 def _build() -> Optional[ModuleType]:
@@ -68,6 +76,5 @@ def main() -> int:
     if module is None:
         print("fairseq_fsdp2 kernels: not built (the eager code runs): see the warning above")
         return 0
-    versions = {PLAIN: "plain C++", AVX512: "AVX-512"}
-    print(f"fairseq_fsdp2 kernels: {module.__file__} ({versions[module.best_isa()]} loops)")
+    print(f"fairseq_fsdp2 kernels: {module.__file__} ({LOOP_NAMES[best_loops()]} loops)")
     return 0

@@ -116,6 +116,18 @@ def test_a_failed_run_raises_its_one_line_error_and_the_program_goes_on(program)
     assert "\n" not in missing["error"]["message"] + broken["message"]
 
 
+def test_a_run_in_the_callers_process_group_leaves_it_as_it_found_it(program):
+    """The program opens its own process group (collective timeout 1234 s) and runs training in
+    it with --heartbeat-timeout 30 and 8-bit moments: while the group is still open after the
+    run, everything is as before the run: the group's collective timeout (the run set 30 s on
+    it), torch.load's allow-list, the moments' kept buffers of every thread and their tables,
+    the CUDA device, fairseq's cached global group, and the group itself (not destroyed)."""
+    phases, _ = program
+    caller = phases["after-failures"][0]["caller_group"]
+    assert caller["before"]["group"] and caller["before"]["timeouts"] == [1234.0], caller
+    assert caller["after"] == caller["before"], caller
+
+
 def test_a_program_under_torchrun_trains_twice_on_two_ranks(corpus, tmp_path):
     """tests/probes/two_runs.py on 2 ranks (torchrun's environment, rank 0 hosting the store):
     two runs in each process, the second with another config. Each run stops its heartbeat

@@ -37,6 +37,7 @@ import enum
 import importlib
 import inspect
 import re
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -328,6 +329,32 @@ def _fsdp_state(unit, state, group) -> None:
     has(fsdp_param.sharded_param, "grad_dtype")
 
 
+def _pg_timeouts() -> None:
+    """heartbeat.set_collective_timeout on a one-rank gloo group: each backend of the group
+    (``_device_types``, ``_get_backend``) reports its timeout in ``options._timeout``, which
+    ``_set_pg_timeout`` changes and ``_set_default_timeout`` puts back."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(seconds=123))
+    try:
+        group = dist.group.WORLD
+        backends = {id(b): b for b in (group._get_backend(d) for d in group._device_types)}
+        before = {k: b.options._timeout for k, b in backends.items()}
+        _set_pg_timeout(timedelta(seconds=7), group)
+        assert all(b.options._timeout == timedelta(seconds=7) for b in backends.values()), \
+            "options._timeout does not show _set_pg_timeout's value"
+        for k, b in backends.items():
+            b._set_default_timeout(before[k])
+        assert {k: b.options._timeout for k, b in backends.items()} == before
+        assert not owned or set(before.values()) == {timedelta(seconds=123)}, before
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
 MEM_TRACKER = "torch.distributed._tools.mem_tracker.MemTracker"
 FSDP_COLLECTIVES = "torch.distributed.fsdp._fully_shard._fsdp_collectives"
 
@@ -356,6 +383,12 @@ PROBED: dict[str, tuple[str, Optional[Callable]]] = {
         "heartbeat.start: the default group's store", parameters()),
     "torch.distributed.distributed_c10d._set_pg_timeout": (
         "heartbeat.set_collective_timeout", parameters("timeout", "group")),
+    "._device_types": ("heartbeat.set_collective_timeout: a group's backends", _pg_timeouts),
+    "._get_backend": ("heartbeat.set_collective_timeout: a group's backends", _pg_timeouts),
+    "._timeout": ("heartbeat.set_collective_timeout: a backend's timeout, to restore",
+                  _pg_timeouts),
+    "._set_default_timeout": ("heartbeat.set_collective_timeout: restored at the run's end",
+                              _pg_timeouts),
     # estimator/
     "torch.utils._python_dispatch.TorchDispatchMode": (
         "model_profile.py: the meta-tensor answers", lambda cls: has(cls, "__torch_dispatch__")),

@@ -18,6 +18,7 @@ other row must come out the same."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -89,3 +90,26 @@ def test_the_kernel_draws_what_the_eager_code_draws(built):
     quantize(x, True, g_e, kernel=False)
     assert torch.equal(torch.randint(0, 1 << 30, (4,), generator=g),
                        torch.randint(0, 1 << 30, (4,), generator=g_e))
+
+
+def test_the_end_of_a_run_drops_every_threads_buffers_and_tables():
+    """What the moments' code keeps between calls, in two threads (a run's own and, say, a
+    background save's): release_workspaces, which a run's end calls, drops both threads'
+    buffers (8-bit quantize's workspace, bf16 rounding's draws) and the per-device tables.
+    tests/test_in_process.py checks that a run calls it."""
+    from fairseq_fsdp2.optimizer.blockwise_8bit import kept_state, release_workspaces
+    from fairseq_fsdp2.optimizer.stochastic_round import to_bf16_stochastic
+
+    def work() -> None:
+        quantize(torch.randn(4, 512), True, torch.Generator().manual_seed(1))
+        to_bf16_stochastic(torch.randn(1000), torch.Generator().manual_seed(2))
+
+    release_workspaces()
+    other = threading.Thread(target=work)  # kept referenced: its buffers stay while it does
+    other.start()
+    other.join()
+    work()
+    # a workspace and draws per thread; one table (signed moments' on the CPU), shared
+    assert kept_state() == {"workspaces": 2, "draws": 2, "tables": 1}, kept_state()
+    release_workspaces()
+    assert kept_state() == {"workspaces": 0, "draws": 0, "tables": 0}, kept_state()

@@ -140,7 +140,9 @@ def _init_process_group(cfg, run: RunContext) -> None:
     timeout = timedelta(seconds=dt.heartbeat_timeout) if dt.heartbeat_timeout > 0 else None
     agent = torchrun.under_torchrun_agent() and dt.distributed_init_method == "env://"
     if dt.distributed_backend == "nccl":
+        previous = torch.cuda.current_device()
         torch.cuda.set_device(dt.device_id)
+        run.on_close(lambda: torch.cuda.set_device(previous))  # the caller's, at the end
     try:
         if agent:
             torchrun.init_under_torchrun(dt.distributed_backend, timeout, run.index)

@@ -329,6 +329,15 @@ def _fsdp_state(unit, state, group) -> None:
     has(fsdp_param.sharded_param, "grad_dtype")
 
 
+def _torch_lock_is_named(name: str) -> None:
+    """kernels.TORCH_LOCK: torch's JIT build waits on a FileBaton of this name in the build
+    folder (a string the scan cannot see)."""
+    from torch.utils import cpp_extension
+    source = inspect.getsource(cpp_extension._jit_compile)
+    assert f"FileBaton(os.path.join(build_directory, '{name}'))" in source, \
+        f"torch's JIT build no longer locks build_directory/{name}"
+
+
 def _pg_timeouts() -> None:
     """heartbeat.set_collective_timeout on a one-rank gloo group: each backend of the group
     (``_device_types``, ``_get_backend``) reports its timeout in ``options._timeout``, which
@@ -402,6 +411,9 @@ PROBED: dict[str, tuple[str, Optional[Callable]]] = {
                                                  "_non_persistent_buffers_set")),
     # optimizer/
     "torch._foreach_mul_": ("local_shard_step.py: the clip's scaling", callable_),
+    "torch.utils.cpp_extension._get_build_directory": (
+        "kernels.py: the build's folder, where a killed build's lock file is found",
+        lambda fn: (parameters("name", "verbose")(fn), _torch_lock_is_named("lock"))),
     # memory/tracker.py (imported only for --fsdp2-memory-breakdown)
     "torch._guards.active_fake_mode": ("memory/tracker.py", parameters()),
     "torch.distributed._tools.common_utils.get_untyped_storages": ("memory/tracker.py",

@@ -216,3 +216,15 @@ def test_a_failed_job_of_a_sweep_is_reported_as_hydra_reports_one(nllb_data, tmp
     assert "--fsdp2-reshard-degree 3 must divide" in jobs[1]["value"]
     assert "Error executing job with overrides" in result.output, result.output[-3000:]
     assert os.path.isfile(os.path.join(jobs[0]["save_dir"], "checkpoint_last_consolidated.pt"))
+
+
+def test_a_job_whose_config_is_bad_fails_alone_and_the_sweep_goes_on(nllb_data, tmp_path):
+    """Job 0's model override is bad input that the hydra entry finds while filling in the
+    config's defaults (integration/hydra_config.add_defaults_or_stop): raised to hydra as the
+    job's failure, not an exit of the whole process, so job 1 still trains."""
+    result, jobs = sweep(nllb_data, tmp_path, "optimization.max_update=2",
+                         "+model.activation_fn=nonsense,relu")
+    assert result.returncode == 1, result.output[-4000:]
+    assert [(j["num"], j["status"]) for j in jobs] == [(0, "FAILED"), (1, "COMPLETED")], jobs
+    assert jobs[0]["value"].startswith(
+        "OptionError: model.activation_fn: invalid choice: 'nonsense'"), jobs[0]

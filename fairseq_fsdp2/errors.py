@@ -8,7 +8,7 @@ import errno
 import os
 import shutil
 import sys
-from typing import NoReturn, Optional
+from typing import Optional
 
 #: set to 1 for tracebacks (and argparse's usage) instead of one-line errors
 DEBUG_ENV = "FAIRSEQ_FSDP2_DEBUG"
@@ -75,11 +75,12 @@ def first_line(error: BaseException, limit: Optional[int] = 200) -> str:
     return text.splitlines()[0][:limit] if text else type(error).__name__
 
 
-def exit_bad_input(line: str) -> NoReturn:
-    """A command-line tool's bad input (estimate, prepare_data): ``line`` alone on stderr, exit
-    status 2, argparse's status for a bad flag."""
-    print(line, file=sys.stderr, flush=True)
-    raise SystemExit(2)
+def report_bad_input(prog: str, problem: object) -> int:
+    """A command-line tool's bad input (estimate, prepare_data, plot_memory): ``PROG: error:
+    PROBLEM`` alone on stderr; returns 2, argparse's status for a bad flag, for the tool's
+    ``main`` to return (its ``__main__`` block exits with it: the library never exits)."""
+    print(f"{prog}: error: {problem}", file=sys.stderr, flush=True)
+    return 2
 
 
 class FSDP2Error(Exception):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
-from .errors import exit_bad_input
+from .errors import OptionError, report_bad_input
 from .estimator import from_args
 from .estimator.fit import largest_max_tokens
 from .estimator.peak import Estimate, format_summary
@@ -35,12 +35,19 @@ def estimate_args(argv: Sequence[str]) -> list[Estimate]:
     return from_args.estimates(from_args.parse(argv))
 
 
+PROG = "fairseq_fsdp2.estimate"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command: 0, or 2 after one line on stderr for bad input."""
     args = from_args.parse(sys.argv[1:] if argv is None else argv)
     if args.fit_gb is not None and args.fit_gb <= 0:
-        exit_bad_input(f"fairseq_fsdp2.estimate: error: --fit-gb {args.fit_gb:g}: give the "
-                       f"memory per rank in GiB, a positive number")
-    estimates = from_args.estimates(args)
+        return report_bad_input(PROG, f"--fit-gb {args.fit_gb:g}: give the memory per rank in "
+                                      f"GiB, a positive number")
+    try:
+        estimates = from_args.estimates(args)
+    except OptionError as e:  # settings the estimator refuses, as training would
+        return report_bad_input(PROG, e)
     if len(estimates) == 1:
         print(estimates[0].table())
     else:

@@ -28,10 +28,12 @@ import sys
 import fairseq
 import hydra
 
-from .integration.hydra_config import (PROG, HydraConfigError, add_defaults_or_exit,
+from .errors import OptionError
+from .integration.hydra_config import (HydraConfigError, add_defaults_or_stop,
                                        check_fixed_group_overrides)
 from .integration.registration import install_hydra_add_defaults, install_hydra_main
 from .launch import quiet
+from .launch.cli import stop
 
 
 #: fairseq's own config directory, where fairseq's hydra main looks for config.yaml
@@ -49,15 +51,14 @@ def cli_main() -> None:
     quiet.no_debug_log()
     try:
         check_fixed_group_overrides(sys.argv[1:])
-    except HydraConfigError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    except HydraConfigError as e:  # the command's own line: one line, exit status 2
+        stop(OptionError(str(e)), owned=True)
     # fairseq's hydra main (Hydra 1.0 config layout: deprecation notices at its import and
     # when it runs) with hydra's notices about it silenced (launch/quiet.py)
     with quiet.silenced(quiet.HYDRA_DEPRECATIONS):
         from fairseq_cli import hydra_train  # what it imports is needed only here
 
-        install_hydra_add_defaults(add_defaults_or_exit)
+        install_hydra_add_defaults(add_defaults_or_stop)
         # fairseq's decorator, less its missing version_base (hydra's 1.1 defaults, as fairseq
         # gets) and returning the job's result
         install_hydra_main(hydra.main(config_path=FAIRSEQ_CONFIG, config_name="config",

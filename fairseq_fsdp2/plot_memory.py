@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from .errors import unwritable
+from .errors import FSDP2Error, report_bad_input, unwritable
 from .memory.charts import plot_memory_log, read_memory_log
 from .launch import quiet
 
@@ -32,10 +32,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         records = read_memory_log(args.memory_jsonl)
     except (OSError, ValueError) as e:
-        print(f"fairseq_fsdp2.plot_memory: error: {e}", file=sys.stderr)
-        return 2
-    out = plot_memory_log(records, args.out_png, title=args.title,
-                          predicted_gb=args.predicted_gb)
+        return report_bad_input("fairseq_fsdp2.plot_memory", e)
+    try:
+        out = plot_memory_log(records, args.out_png, title=args.title,
+                              predicted_gb=args.predicted_gb)
+    except FSDP2Error as e:  # no matplotlib
+        return report_bad_input("fairseq_fsdp2.plot_memory", e)
     print(f"wrote {out} ({len(records)} intervals, {len(records[0]['ranks'])} rank(s))")
     return 0
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Build the plugin's C++ CPU kernels now (fairseq_fsdp2/optimizer/kernels.py), instead of in the
 first training process that needs them; prints where they are, or why they are not built (the
-slower eager code then runs). scripts/test.sh calls it before the tests.
+slower eager code then runs). scripts/setup.sh calls it when it installs, scripts/test.sh
+before the tests.
 
   .venv/bin/python scripts/build_kernels.py
 """

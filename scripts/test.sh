@@ -11,8 +11,9 @@ cd "$root"
 # processes compiles it again (0.22 CPU-s against 0.14 from bytecode, measured on an AMD EPYC). compileall writes
 # the cache anyway, and Python reads it whatever that variable says.
 "$root/.venv/bin/python" -m compileall -q fairseq_fsdp2 tests >/dev/null
-# The 8-bit moments' C++ kernel (fairseq_fsdp2/optimizer/kernels.py), built once here (about 30
-# CPU-s the first time, then cached) rather than by the first test process that needs it.
+# The 8-bit moments' C++ kernel (fairseq_fsdp2/optimizer/kernels.py): setup.sh built it when it
+# installed; loaded here (or built again, where PyTorch's cache was cleared since) rather than
+# by the first test process that needs it.
 "$root/.venv/bin/python" scripts/build_kernels.py
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-65536}"
 # The test-only packages setup.sh installed (.venv/fixture-deps) are part of the suite: a

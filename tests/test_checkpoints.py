@@ -418,14 +418,23 @@ class _Stranger:
 
 
 def test_checkpoint_with_other_classes_is_refused_unless_trusted(tmp_path, monkeypatch):
+    """A file pickling a class fairseq's checkpoints do not hold is refused, unless listed as
+    trusted; its classes are allowed for its own load only: torch.load's allow-list is as
+    before afterwards, and the same bytes under a path not listed are refused still."""
     from fairseq_fsdp2.checkpoint.safe_load import TRUSTED_ENV, read_checkpoint_file
     from fairseq_fsdp2.errors import CheckpointError
-    path = tmp_path / "odd.pt"
+    path, copy = tmp_path / "odd.pt", tmp_path / "copy.pt"
     torch.save({"model": {}, "extra": _Stranger()}, path)
-    with pytest.raises(CheckpointError, match=r"pickles test_checkpoints\._Stranger.*" + TRUSTED_ENV):
+    copy.write_bytes(path.read_bytes())
+    refused = r"pickles test_checkpoints\._Stranger.*" + TRUSTED_ENV
+    with pytest.raises(CheckpointError, match=refused):
         read_checkpoint_file(str(path))
+    allowed = set(torch.serialization.get_safe_globals())
     monkeypatch.setenv(TRUSTED_ENV, str(path))
     assert isinstance(read_checkpoint_file(str(path))["extra"], _Stranger)
+    assert set(torch.serialization.get_safe_globals()) == allowed
+    with pytest.raises(CheckpointError, match=refused):
+        read_checkpoint_file(str(copy))
 
 
 def test_stock_checkpoint_of_another_model_is_refused(saved_run, tmp_path):

@@ -192,6 +192,21 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(train_args, tmp_p
     assert resumed_at(results[0].output) == min(failed) - 3
 
 
+def test_a_save_in_flight_when_a_run_fails_is_abandoned_and_its_thread_joined(tmp_path):
+    """The run's end after a failure (BackgroundSaves.close, from the run context) with a
+    background save whose shards never complete (a rank gone inside DCP's collectives) and whose
+    file fairseq never named: its thread stops waiting and is joined, no file is written, and
+    no thread of the run is left (a daemon thread alive at exit can abort the process)."""
+    from fairseq_fsdp2.checkpoint.async_save import BackgroundSaves, PendingSave
+    saves = BackgroundSaves()
+    pending = saves._pending = PendingSave(3, str(tmp_path), "shards-3", is_writer=True)
+    pending.add_file(str(tmp_path / "checkpoint3.pt"), {"model": {}})
+    assert pending._thread.is_alive()
+    saves.close()
+    assert not pending._thread.is_alive() and saves._pending is None
+    assert not os.listdir(tmp_path)
+
+
 def test_a_full_disk_says_so_with_the_free_space(train_args, tmp_path):
     """A real full disk: the save dir on a 64 KiB tmpfs, too small for the first save's shards.
     Every rank's one line says the disk is full and how much its file system has free.

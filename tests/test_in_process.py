@@ -116,6 +116,18 @@ def test_a_failed_run_raises_its_one_line_error_and_the_program_goes_on(program)
     assert "\n" not in missing["error"]["message"] + broken["message"]
 
 
+def test_a_run_in_the_callers_process_group_leaves_it_as_it_found_it(program):
+    """The program opens its own process group (collective timeout 1234 s) and runs training in
+    it with --heartbeat-timeout 30 and 8-bit moments: while the group is still open after the
+    run, everything is as before the run: the group's collective timeout (the run set 30 s on
+    it), torch.load's allow-list, the moments' kept buffers of every thread and their tables,
+    the CUDA device, fairseq's cached global group, and the group itself (not destroyed)."""
+    phases, _ = program
+    caller = phases["after-failures"][0]["caller_group"]
+    assert caller["before"]["group"] and caller["before"]["timeouts"] == [1234.0], caller
+    assert caller["after"] == caller["before"], caller
+
+
 def test_a_program_under_torchrun_trains_twice_on_two_ranks(corpus, tmp_path):
     """tests/probes/two_runs.py on 2 ranks (torchrun's environment, rank 0 hosting the store):
     two runs in each process, the second with another config. Each run stops its heartbeat
@@ -204,3 +216,15 @@ def test_a_failed_job_of_a_sweep_is_reported_as_hydra_reports_one(nllb_data, tmp
     assert "--fsdp2-reshard-degree 3 must divide" in jobs[1]["value"]
     assert "Error executing job with overrides" in result.output, result.output[-3000:]
     assert os.path.isfile(os.path.join(jobs[0]["save_dir"], "checkpoint_last_consolidated.pt"))
+
+
+def test_a_job_whose_config_is_bad_fails_alone_and_the_sweep_goes_on(nllb_data, tmp_path):
+    """Job 0's model override is bad input that the hydra entry finds while filling in the
+    config's defaults (integration/hydra_config.add_defaults_or_stop): raised to hydra as the
+    job's failure, not an exit of the whole process, so job 1 still trains."""
+    result, jobs = sweep(nllb_data, tmp_path, "optimization.max_update=2",
+                         "+model.activation_fn=nonsense,relu")
+    assert result.returncode == 1, result.output[-4000:]
+    assert [(j["num"], j["status"]) for j in jobs] == [(0, "FAILED"), (1, "COMPLETED")], jobs
+    assert jobs[0]["value"].startswith(
+        "OptionError: model.activation_fn: invalid choice: 'nonsense'"), jobs[0]

@@ -1,7 +1,9 @@
 """The package's layout, computed from its source: no import cycle (imports inside functions
 count), no private name imported from another module, and the layers that
 docs/architecture.md draws hold (a module imports only its own folder or the layers below).
-Cheap: it parses the source and imports nothing."""
+The process is the caller's: only launch/cli.py and launch/sigterm.py (and ``__main__``
+blocks) end it, and only integration/registration.py changes fairseq's, torch's, hydra's or
+OmegaConf's modules and classes. Cheap: it parses the source and imports nothing."""
 from __future__ import annotations
 
 import ast
@@ -110,6 +112,128 @@ def documented_layers() -> list[list[str]]:
     return [re.findall(r"`([a-z_0-9]+(?:/|\.py))`", r[2]) for r in rows]
 
 
+#: the modules that may end the process: the training commands' errors (one line and the exit
+#: status, where the plugin owns the process) and the SIGTERM handler's exit
+EXIT_OWNERS = {f"{PACKAGE}.launch.cli", f"{PACKAGE}.launch.sigterm"}
+#: the one module that changes other libraries' modules and classes (the numbered patches)
+PATCH_OWNER = f"{PACKAGE}.integration.registration"
+PATCHED_LIBRARIES = ("fairseq", "fairseq_cli", "torch", "hydra", "omegaconf")
+#: the benchmarks' timers: they patch fairseq's Trainer in the benchmark's own rank processes
+#: (benchmarks/worker.py), never in a user's run; the benchmarks are to leave the installed
+#: package (issue 54, item 5), and this exception with them
+PATCH_EXEMPT = f"{PACKAGE}.benchmarks."
+EXIT_CALLS = {"sys.exit", "os._exit", "os.abort", "exit", "quit"}
+
+
+def _names_bound(tree: ast.AST) -> dict[str, str]:
+    """Local name -> the dotted module or object an import binds it to (any depth), and
+    names assigned from such a dotted name (``utils = fairseq.distributed.utils``)."""
+    names: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                names[a.asname or a.name.split(".")[0]] = a.name if a.asname else \
+                    a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            for a in node.names:
+                names[a.asname or a.name] = f"{node.module}.{a.name}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and \
+                isinstance(node.targets[0], ast.Name):
+            bound = _dotted(node.value, names)
+            if bound:
+                names[node.targets[0].id] = bound
+    return names
+
+
+def _dotted(node: ast.AST, names: dict[str, str]) -> str | None:
+    """``a.b.c`` (or ``a.b[k].c``: the object indexed) as the dotted path ``a`` is bound to
+    plus ``.b.c``; a bare name not bound by an import is itself (a builtin: ``exit``)."""
+    parts = []
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        if isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([names.get(node.id, node.id)] + parts[::-1])
+
+
+def _outside_main_blocks(tree: ast.AST):
+    """Every node of ``tree`` except those inside ``if __name__ == "__main__":``."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and \
+                isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__":
+            stack.extend(node.orelse)
+            continue
+        yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def exits(modules: dict[str, Path]) -> list[str]:
+    """Where a module other than EXIT_OWNERS ends the process (outside ``__main__`` blocks):
+    sys.exit, os._exit, os.abort, exit(), quit(), raise SystemExit."""
+    found = []
+    for name, path in modules.items():
+        if name in EXIT_OWNERS:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        names = _names_bound(tree)
+        for node in _outside_main_blocks(tree):
+            what = None
+            if isinstance(node, ast.Call) and _dotted(node.func, names) in EXIT_CALLS:
+                what = _dotted(node.func, names)
+            elif isinstance(node, ast.Raise) and node.exc is not None:
+                exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+                if _dotted(exc, names) in ("SystemExit", "builtins.SystemExit"):
+                    what = "raise SystemExit"
+            if what:
+                found.append(f"{name}:{node.lineno}: {what}")
+    return sorted(found)
+
+
+def patches(modules: dict[str, Path]) -> list[str]:
+    """Where a module other than PATCH_OWNER assigns an attribute (or an item of one) of a
+    module, class or function of PATCHED_LIBRARIES, by assignment or setattr."""
+    found = []
+    for name, path in modules.items():
+        if name == PATCH_OWNER or name.startswith(PATCH_EXEMPT):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        names = _names_bound(tree)
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                    node.func.id == "setattr" and node.args:
+                targets = [ast.Attribute(value=node.args[0], attr="?")]
+            flat = []
+            while targets:
+                t = targets.pop()
+                if isinstance(t, (ast.Tuple, ast.List)):
+                    targets.extend(t.elts)
+                elif isinstance(t, (ast.Attribute, ast.Subscript)):
+                    flat.append(t)
+            for t in flat:
+                dotted = _dotted(t, names)
+                if dotted and dotted.split(".")[0] in PATCHED_LIBRARIES:
+                    found.append(f"{name}:{node.lineno}: {dotted}")
+    return sorted(found)
+
+
+def test_only_the_command_line_owners_end_the_process():
+    assert not exits(MODULES)
+
+
+def test_only_registration_changes_other_libraries():
+    assert not patches(MODULES)
+
+
 def test_every_import_names_a_module_of_the_package():
     unknown = sorted({(name, target) for name in MODULES
                       for target, _ in imports_of(name, MODULES) if target not in MODULES})
@@ -161,3 +285,41 @@ def test_the_checks_find_what_they_look_for(tmp_path):
     assert upward_imports(modules, layers) == [
         f"{a} (low/, layer 2) imports {b} (high/, layer 3)",
         f"{PACKAGE}.side.d (side/, layer 2) imports {c} (low/, layer 2)"]
+
+
+def test_the_process_checks_find_what_they_look_for(tmp_path):
+    """On a made-up package: every way to exit and to patch another library is found, aliases
+    followed; the owners, ``__main__`` blocks and the package's own objects are left alone."""
+    sources = {
+        "__init__.py": "",
+        "a.py": "import sys, os\nfrom sys import exit as leave\n"
+                "def f():\n    sys.exit(2)\n    os._exit(1)\n    leave(3)\n    exit()\n"
+                "    quit()\n    raise SystemExit(2)\n    raise SystemExit\n"
+                "def g():\n    raise ValueError('fine')\n"
+                "if __name__ == '__main__':\n    sys.exit(f())\n",
+        "launch/__init__.py": "",
+        "launch/cli.py": "import sys\ndef stop():\n    sys.exit(2)\n",
+        "b.py": "import fairseq.options\nimport torch.nn as nn\nfrom fairseq_cli import train\n"
+                "from hydra import utils as hu\nimport argparse\n"
+                "fairseq.options.parse_args_and_arch = None\n"
+                "def f(model):\n    train.Trainer = object\n    nn.Module.x += 1\n"
+                "    setattr(hu, 'y', 1)\n    cfg = fairseq.options.DistributedTrainingConfig\n"
+                "    cfg.__annotations__['k'] = int\n    model.no_sync = None\n"
+                "    argparse.ArgumentParser.z = 1\n    a, nn.functional.w = 1, 2\n",
+        "integration/__init__.py": "",
+        "integration/registration.py": "import fairseq.options\n"
+                                       "fairseq.options.parse_args_and_arch = None\n",
+    }
+    for rel, text in sources.items():
+        (tmp_path / PACKAGE / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / PACKAGE / rel).write_text(text)
+    modules = modules_under(tmp_path)
+    a, b = f"{PACKAGE}.a", f"{PACKAGE}.b"
+    assert exits(modules) == sorted([
+        f"{a}:4: sys.exit", f"{a}:5: os._exit", f"{a}:6: sys.exit", f"{a}:7: exit",
+        f"{a}:8: quit", f"{a}:9: raise SystemExit", f"{a}:10: raise SystemExit"])
+    assert patches(modules) == sorted([
+        f"{b}:6: fairseq.options.parse_args_and_arch", f"{b}:8: fairseq_cli.train.Trainer",
+        f"{b}:9: torch.nn.Module.x", f"{b}:10: hydra.utils.?",
+        f"{b}:12: fairseq.options.DistributedTrainingConfig.__annotations__",
+        f"{b}:15: torch.nn.functional.w"])

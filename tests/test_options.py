@@ -45,3 +45,22 @@ def test_good_values_pass():
     check(eight_bit_adam_stats=True)
 
 # The same checks from the command line: tests/test_bad_input.py (docs/errors.md).
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--fsdp2-root-reshard", "sometimes"], "argument --fsdp2-root-reshard: invalid choice: "
+                                            "'sometimes' (choose from 'default', 'always')"),
+    (["--fp16", "--bf16"], "--fp16 and --bf16 are mutually exclusive: choose one")])
+def test_a_program_parsing_a_bad_command_line_gets_the_error(flags, message, capsys):
+    """fairseq's parser, given a list by a program (this test's process: no fairseq command
+    runs it): the plugin's one-line error raised as an OptionError for the program to handle,
+    nothing printed, the process not ended (a fairseq command prints the line and exits 2:
+    tests/test_bad_input.py)."""
+    import fairseq_fsdp2  # noqa: F401  (the plugin's options and parse errors)
+    from fairseq import options
+    with pytest.raises(OptionError) as raised:
+        options.parse_args_and_arch(options.get_training_parser(), [
+            "data", "--task", "translation", "--arch", "transformer", "--ddp-backend", "fsdp2",
+            *flags])
+    assert str(raised.value) == message
+    assert capsys.readouterr().err == ""

@@ -18,6 +18,7 @@ other row must come out the same."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -89,3 +90,81 @@ def test_the_kernel_draws_what_the_eager_code_draws(built):
     quantize(x, True, g_e, kernel=False)
     assert torch.equal(torch.randint(0, 1 << 30, (4,), generator=g),
                        torch.randint(0, 1 << 30, (4,), generator=g_e))
+
+
+# -- the build ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """kernels' build with torch's builder replaced (no compiler runs): its build folder is
+    ``tmp_path``, and ``load`` does what torch's JIT build does first (a FileBaton on
+    ``lock`` there, which waits as long as the file exists), except that it fails instead of
+    waiting forever; no module of the process is loaded yet."""
+    from torch.utils import cpp_extension
+    from torch.utils.file_baton import FileBaton
+    calls = []
+
+    def load(name, sources, build_directory, **kwargs):
+        baton = FileBaton(os.path.join(build_directory, kernels.TORCH_LOCK))
+        if not baton.try_acquire():
+            raise AssertionError("torch's build would wait here forever")
+        baton.release()
+        calls.append(name)
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setattr(kernels, "_loaded", {})
+    monkeypatch.delenv(kernels.DISABLE, raising=False)
+    return calls
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_with_one_line(fresh_build, tmp_path, caplog):
+    """A build killed midway leaves torch's lock file; the next build (no other holds the
+    build's own lock: the process that held it is gone) removes it, says so in one line, and
+    builds instead of waiting on it forever."""
+    (tmp_path / kernels.TORCH_LOCK).write_text("")
+    assert kernels.blockwise_8bit() == "module" and fresh_build == [kernels.NAME]
+    assert not (tmp_path / kernels.TORCH_LOCK).exists()
+    lines = [r.getMessage() for r in caplog.records if r.name == kernels.__name__]
+    assert len(lines) == 1 and "\n" not in lines[0] and "stopped midway" in lines[0], lines
+
+
+def test_a_run_that_finds_no_kernel_says_so_once(fresh_build, monkeypatch, caplog):
+    """Where the kernel cannot be built (here: no ninja), one warning line with the builder's
+    reason, once per process; the eager code runs, whose bits the tests above compare."""
+    from torch.utils import cpp_extension
+
+    def no_ninja(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions (pip install ninja to "
+                           "get it)")
+    monkeypatch.setattr(cpp_extension, "load", no_ninja)
+    assert kernels.blockwise_8bit() is None and kernels.blockwise_8bit() is None
+    assert kernels.best_loops() == kernels.PLAIN
+    lines = [r.getMessage() for r in caplog.records if r.name == kernels.__name__]
+    assert lines == ["the 8-bit moments' C++ kernel could not be built (RuntimeError: Ninja is "
+                     "required to load C++ extensions (pip install ninja to get it)); the "
+                     "slower eager tensor operations compute the same values instead"], lines
+
+
+def test_the_end_of_a_run_drops_every_threads_buffers_and_tables():
+    """What the moments' code keeps between calls, in two threads (a run's own and, say, a
+    background save's): release_workspaces, which a run's end calls, drops both threads'
+    buffers (8-bit quantize's workspace, bf16 rounding's draws) and the per-device tables.
+    tests/test_in_process.py checks that a run calls it."""
+    from fairseq_fsdp2.optimizer.blockwise_8bit import kept_state, release_workspaces
+    from fairseq_fsdp2.optimizer.stochastic_round import to_bf16_stochastic
+
+    def work() -> None:
+        quantize(torch.randn(4, 512), True, torch.Generator().manual_seed(1))
+        to_bf16_stochastic(torch.randn(1000), torch.Generator().manual_seed(2))
+
+    release_workspaces()
+    other = threading.Thread(target=work)  # kept referenced: its buffers stay while it does
+    other.start()
+    other.join()
+    work()
+    # a workspace and draws per thread; one table (signed moments' on the CPU), shared
+    assert kept_state() == {"workspaces": 2, "draws": 2, "tables": 1}, kept_state()
+    release_workspaces()
+    assert kept_state() == {"workspaces": 0, "draws": 0, "tables": 0}, kept_state()

@@ -134,17 +134,22 @@ def launch(world: int, args_of_rank: Callable[[int], list[str]], timeout: float,
     return results
 
 
+class RankFailed(RuntimeError):
+    """A rank of a benchmark's run did not exit 0."""
+
+
 def failed_rank(results: list[tuple[int, str]]) -> Optional[tuple[int, str]]:
     """The (returncode, output) of the first rank of ``launch``'s results that did not exit 0."""
     return next(((rc, out) for rc, out in results if rc != 0), None)
 
 
 def stop_if_a_rank_failed(results: list[tuple[int, str]], name: str = "") -> None:
-    """Stop the benchmark with the failed rank's exit code and the end of its output."""
+    """Stop the benchmark (RankFailed, with the failed rank's exit code and the end of its
+    output): the benchmark's script ends with it."""
     failed = failed_rank(results)
     if failed is not None:
         rc, out = failed
-        raise SystemExit(f"{name + ': ' if name else ''}a rank exited {rc}:\n{out[-4000:]}")
+        raise RankFailed(f"{name + ': ' if name else ''}a rank exited {rc}:\n{out[-4000:]}")
 
 
 def predicted(train: list[str], world: int):

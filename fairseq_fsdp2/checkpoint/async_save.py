@@ -50,6 +50,13 @@ from . import sharded
 
 logger = logging.getLogger(__name__)
 
+#: how long the run's end waits for an abandoned save's thread (it may be writing a file)
+ABANDON_JOIN_S = 60
+
+
+class SaveAbandoned(Exception):
+    """The run ended (after a failure) with this save in flight."""
+
 def describe_failure(error: BaseException, save_dir: Optional[str] = None) -> str:
     """What a failed save reports; for DCP's CheckpointException, which wraps each rank's
     failure, the first failing rank's error. A full disk says so, with the free space of
@@ -156,6 +163,7 @@ class PendingSave:
         self._files: list[tuple[str, dict]] = []  # (file name, state) in fairseq's order
         self._named = threading.Event()  # fairseq named a file, or the save point is over
         self._written = False
+        self._abandoned = False
         self._error: Optional[BaseException] = None
         # started before DCP's thread: a thread started while that one plans the save (Python,
         # holding the GIL) waited seconds for its first turn, and the main thread with it
@@ -165,10 +173,27 @@ class PendingSave:
 
     def shards_done(self, shards: Future) -> None:
         """DCP's future for the shards (a done-callback): its outcome goes to ``_finish``."""
-        if shards.exception() is not None:
-            self._shards.set_exception(shards.exception())
-        else:
-            self._shards.set_result(shards.result())
+        with self._lock:
+            if self._shards.done():  # abandoned first
+                return
+            if shards.exception() is not None:
+                self._shards.set_exception(shards.exception())
+            else:
+                self._shards.set_result(shards.result())
+
+    def abandon(self, timeout: float = ABANDON_JOIN_S) -> bool:
+        """After a failure, at the run's end: the save's thread stops waiting (for DCP, whose
+        collectives may never finish when a rank is gone, and for fairseq to name files) and
+        writes no file; it is joined, so that no thread of the run outlives it (a daemon
+        thread still running at interpreter exit can abort the process: launch/heartbeat.py).
+        Returns whether it ended within ``timeout`` seconds."""
+        with self._lock:
+            self._abandoned = True  # no file is written from now on
+            if not self._shards.done():
+                self._shards.set_exception(SaveAbandoned(f"update {self.update}"))
+        self._named.set()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def add_file(self, filename: str, state: dict) -> None:
         """Rank 0: fairseq's checkpoint file for this save, written when the shards are."""
@@ -205,6 +230,8 @@ class PendingSave:
             os.rename(final + ".tmp", final)
             self._named.wait()
             with self._lock:
+                if self._abandoned:
+                    return
                 for name, state in self._files:
                     checkpoint_utils.torch_persistent_save(state, name)  # .tmp, then renamed
                 self._written = True
@@ -283,7 +310,11 @@ class BackgroundSaves:
         """The end of the run (after ``wait_pending``, or after a failure): no step waits for
         staging any more, the staging thread ends, and the saves' process group is destroyed.
         A save still in flight after a failure is abandoned (its directory stays ``.tmp``, never
-        named by a checkpoint file)."""
+        named by a checkpoint file) and its thread joined."""
+        pending, self._pending = self._pending, None
+        if pending is not None and not pending.abandon():
+            logger.warning("the background save's thread did not stop within %d s; it ends "
+                           "with the process", ABANDON_JOIN_S)
         for handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()
@@ -293,7 +324,6 @@ class BackgroundSaves:
         if self._group is not None and dist.is_initialized():
             dist.destroy_process_group(self._group)
         self._group = None
-        self._pending = None
 
     def _wait_for_staging(self, optimizer, args, kwargs) -> None:
         """Step pre-hook: the staging copy first (the step changes what it copies)."""

@@ -26,7 +26,7 @@ from ..options import PLUGIN_OPTIONS
 from ..hf import lora_adapter, nllb_weights as hf_nllb
 from ..hf.tokenizer_files import DATA_SUBDIR as TOKENIZER_SUBDIR
 from . import legacy_fairscale, sharded
-from .safe_load import read_checkpoint_file
+from .safe_load import read_checkpoint_file, trusting
 
 CONSOLIDATED_SUFFIX = "_consolidated.pt"
 #: Where fairseq's Trainer keeps its EMA (--store-ema) in a checkpoint's extra_state: the EMA
@@ -121,7 +121,8 @@ def read_with_full_weights(read, path, *args, **kwargs) -> dict:
     trainer (fairseq-generate, -validate, -interactive, --load-pretrained-encoder-from, the
     hub interface) gets the full weights, read from its shard directory in this process as
     the consolidated export reads them, where fairseq would find only the reference."""
-    state = read(path, *args, **kwargs)
+    with trusting(path):  # a file listed in FAIRSEQ_FSDP2_TRUSTED_CHECKPOINTS: its classes
+        state = read(path, *args, **kwargs)
     if sharded.is_sharded(state.get("model")) and not sharded.is_trainer_loading():
         state["model"] = _fsdp2_model(path, state)
         state = _with_ema(state, full_ema(path, state))  # where a stock checkpoint holds it

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import importlib
 import os
 import re
@@ -75,16 +76,25 @@ def trusted(path: str) -> bool:
     return any(os.path.abspath(p) == os.path.abspath(path) for p in listed)
 
 
-def allow_classes_of(path: str) -> list[str]:
-    """For a file the user listed as trusted: allow exactly the classes it pickles (loading
-    stays weights_only, so fairseq's own torch.load calls read it too)."""
+@contextlib.contextmanager
+def trusting(path: str):
+    """For a file the user listed as trusted (TRUSTED_ENV), around the loads of it:
+    ``torch.load``'s allow-list widened by exactly the classes it pickles, for the block only
+    (loading stays weights_only; later loads of other files accept none of them). Yields those
+    class names ([] for a file not listed). Classes already allowed are left as they are."""
+    if not trusted(path):
+        yield []
+        return
     names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    allowed = torch.serialization.get_safe_globals()
     objects = []
     for name in names:
         module, _, attr = name.rpartition(".")
-        objects.append(getattr(importlib.import_module(module), attr))
-    torch.serialization.add_safe_globals(objects)
-    return names
+        found = getattr(importlib.import_module(module), attr)
+        if found not in allowed and found not in objects:
+            objects.append(found)
+    with torch.serialization.safe_globals(objects):
+        yield names
 
 
 def read_checkpoint_file(path: str, mmap: bool = True) -> dict:
@@ -93,15 +103,14 @@ def read_checkpoint_file(path: str, mmap: bool = True) -> dict:
     tensors stay in the file until read, so peeking at a large checkpoint costs no memory."""
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint not found: {path}")
-    if trusted(path):
-        allow_classes_of(path)
     try:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-        except RuntimeError as e:
-            if not mmap or "mmap" not in str(e):
-                raise
-            state = torch.load(path, map_location="cpu", weights_only=True)  # pre-zip format
+        with trusting(path):
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            except RuntimeError as e:
+                if not mmap or "mmap" not in str(e):
+                    raise
+                state = torch.load(path, map_location="cpu", weights_only=True)  # pre-zip
     except Exception as e:  # noqa: BLE001 - truncated, corrupt, unsafe, or not a checkpoint
         text = str(e)
         unsafe = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text) or re.search(

@@ -29,13 +29,14 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
 import sentencepiece as spm
 
-from ..errors import exit_bad_input, unwritable
+from ..errors import report_bad_input, unwritable
 from ..hf.vocab import FILLER, dictionary_for
 from ..models.nllb_languages import NLLB200_LANGS
 from . import grow_vocab
@@ -227,7 +228,7 @@ def prepare(raw_dir: Path, dest: Path, *, lang_pairs: Optional[str] = None,
     return dest
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fairseq_fsdp2.data.prepare",
         description="Encode and binarize raw parallel text for translation_multi_simple_epoch.")
@@ -286,8 +287,9 @@ def main(argv=None) -> None:
     try:
         prepare(**args, log=(lambda *a: None) if quiet else print)
     except PrepareError as e:  # bad input: one line, exit status 2, as the plugin's commands
-        exit_bad_input(f"prepare_data: error: {e}")
+        return report_bad_input("prepare_data", e)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

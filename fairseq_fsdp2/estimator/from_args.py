@@ -12,7 +12,7 @@ from fairseq.data import Dictionary
 
 from ..launch import preflight
 from ..sharding import tied_grad_reduce
-from ..errors import OptionError, exit_bad_input
+from ..errors import OptionError
 from ..options import (FSDP2_BACKEND, LEGACY_FSDP_BACKEND, check_reduce_dtype,
                        tied_grad_buffer_on)
 from . import lora
@@ -66,8 +66,8 @@ def backend_of(args) -> str:
         return "fsdp2"
     if backend in DDP_BACKENDS:
         return "legacy_ddp"
-    exit_bad_input(f"fairseq_fsdp2.estimate: error: --ddp-backend {backend} is not modelled "
-                   f"(use fsdp2, fully_sharded or legacy_ddp)")
+    raise OptionError(f"--ddp-backend {backend} is not modelled (use fsdp2, fully_sharded or "
+                      f"legacy_ddp)")
 
 
 def adam_stats_of(args) -> str:
@@ -104,11 +104,8 @@ def reduce_dtype_of(args) -> str:
     if backend_of(args) != "fsdp2":
         return "fp32"
     reduce = str(getattr(args, "fsdp2_reduce_dtype", "fp32") or "fp32")
-    try:
-        check_reduce_dtype(reduce, fp16=precision_of(args) == "fp16",
-                           bf16=precision_of(args) == "bf16")
-    except OptionError as e:
-        exit_bad_input(f"fairseq_fsdp2.estimate: error: {e}")
+    check_reduce_dtype(reduce, fp16=precision_of(args) == "fp16",
+                       bf16=precision_of(args) == "bf16")  # OptionError: the estimate's too
     return reduce
 
 
@@ -166,8 +163,7 @@ def build_task(args):
         problem = preflight.data_error(e, getattr(args, "data", None))
         if problem is None:
             raise
-        exit_bad_input(f"fairseq_fsdp2.estimate: error: {problem}, or give --vocab-size V "
-                       f"instead of DATA")
+        raise OptionError(f"{problem}, or give --vocab-size V instead of DATA") from e
 
 
 def build_meta_model(args):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from enum import Enum
 from typing import Optional
 
@@ -23,6 +22,9 @@ from fairseq.dataclass.configs import FairseqConfig
 from fairseq.dataclass.initialize import add_defaults as fairseq_add_defaults
 from fairseq.dataclass.utils import omegaconf_no_object_check
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+
+from ..errors import OptionError
+from ..launch.cli import owns_process, stop
 
 PROG = "fairseq_fsdp2"  # errors read "fairseq_fsdp2: error: ...", as from fairseq-train
 LEGACY_GROUPS = ("task", "model")
@@ -168,13 +170,15 @@ def add_defaults(cfg: DictConfig) -> None:
             cfg[group] = ns
 
 
-def add_defaults_or_exit(cfg: DictConfig) -> None:
-    """``add_defaults``, with a bad config reported as one line (exit status 2)."""
+def add_defaults_or_stop(cfg: DictConfig) -> None:
+    """``add_defaults``, with a bad config reported as bad input (launch/cli.py decides: one
+    line and exit status 2 for a single run, which the plugin's hydra entry owns; an
+    OptionError for one job of a ``--multirun`` sweep, which hydra reports as the job's failure
+    while the sweep goes on)."""
     try:
         add_defaults(cfg)
     except HydraConfigError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        stop(OptionError(str(e)), owns_process())
 
 
 def check_fixed_group_overrides(overrides: list[str]) -> None:

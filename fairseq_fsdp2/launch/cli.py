@@ -48,6 +48,22 @@ def owns_process() -> bool:
     return False
 
 
+def in_fairseq_command() -> bool:
+    """Whether one of fairseq's command-line tools (any ``fairseq_cli`` module's ``cli_main``:
+    fairseq-train, -generate, -validate, -interactive, ...) is running this code: its
+    command-line errors end it, as argparse's own do (launch/parse_errors.py)."""
+    import fairseq_cli
+    package = os.path.dirname(os.path.abspath(fairseq_cli.__file__))
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "cli_main" and \
+                os.path.dirname(os.path.abspath(code.co_filename)) == package:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _training_commands() -> set[str]:
     """The files of fairseq's training commands (``python -m fairseq_cli.train`` runs its file
     as ``__main__``: another module object, the same file). Not imported: fairseq_cli's

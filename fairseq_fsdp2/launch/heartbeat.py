@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -101,11 +101,26 @@ def start(rank: int, world_size: int) -> Optional[Heartbeat]:
     return Heartbeat(_get_default_store(), rank, world_size)
 
 
-def set_collective_timeout(seconds: int, groups) -> None:
-    """Make collectives on ``groups`` fail after ``seconds`` instead of torch's 30 minutes."""
+def set_collective_timeout(seconds: int, groups) -> Callable[[], None]:
+    """Make collectives on ``groups`` fail after ``seconds`` instead of torch's 30 minutes;
+    returns what puts each group's backends back to the timeout they had (for a caller's
+    group, which outlives the run: run_context.RunContext.on_close). torch has no public
+    getter or per-backend setter: its ``_set_pg_timeout`` sets every backend of a group (gloo
+    on CPU, NCCL on GPUs) alike, and each backend's ``options._timeout`` holds its own."""
     from torch.distributed.distributed_c10d import _set_pg_timeout
+    before = []
     for group in groups:
+        for device in group._device_types:  # private, as _set_pg_timeout reads them
+            backend = group._get_backend(device)
+            timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+            if timeout is not None and all(b is not backend for b, _ in before):
+                before.append((backend, timeout))
         _set_pg_timeout(timedelta(seconds=seconds), group)
+
+    def restore() -> None:
+        for backend, timeout in before:
+            backend._set_default_timeout(timeout)
+    return restore
 
 
 def looks_like_peer_loss(error: BaseException) -> bool:

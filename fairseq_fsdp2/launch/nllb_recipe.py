@@ -119,9 +119,12 @@ UNSIGNED = ("MAX_UPDATE", "MAX_TOKENS", "UPDATE_FREQ", "MIN_PARAMS_TO_WRAP", "LO
             "SEED", "LOSS_CHUNK_TOKENS", "NPROC", "WARMUP_UPDATES", "NUM_WORKERS", "LORA_RANK")
 
 
+class Usage(Exception):
+    """Bad input: main() prints it as one line and returns 2."""
+
+
 def die(message: str) -> NoReturn:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    sys.exit(2)
+    raise Usage(message)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -256,8 +259,18 @@ def say(line: str) -> None:
     print(f"[{PROG}] {line}", file=sys.stderr, flush=True)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    opts, extra = parse(sys.argv[1:] if argv is None else argv)
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command: 2 after one line on stderr for bad input; else it becomes torchrun (or,
+    with --dry-run, prints its command and returns 0)."""
+    try:
+        return _run(sys.argv[1:] if argv is None else argv)
+    except Usage as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(argv: Sequence[str]) -> int:
+    opts, extra = parse(argv)
     check(opts)
     found = gpus() if opts.CPU != "1" else 0  # nvidia-smi once, and not for --cpu
     opts.CPU = opts.CPU or ("0" if found else "1")
@@ -269,7 +282,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
            str(bin_dir / "fairseq-train"), *flags]
     if opts.DRY_RUN == "1":
         print(shlex.join(cmd))
-        return
+        return 0
     subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh")], check=True)
     # glibc keeps freed memory without this, and RSS-based peak memory (CPU) creeps up
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
@@ -284,7 +297,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if estimate.returncode != 0:
         say("(no prediction: the estimator failed; training starts anyway)")
     os.execv(cmd[0], cmd)
+    return 1  # not reached: execv replaced the process
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

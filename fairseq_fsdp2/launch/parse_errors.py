@@ -5,18 +5,22 @@ missing argument with fairseq's whole usage, about 120 lines, before the error i
 (the last ``--ddp-backend`` is ``fsdp2`` or ``fully_sharded``), and any run with a bad value of
 one of the plugin's own flags, get the error alone, as every other bad input:
 ``fairseq_fsdp2: error: argument --fsdp2-root-reshard: invalid choice: 'sometimes' (choose from
-'default', 'always')``, exit status 2, printed by one rank per machine (errors.prints_bad_input).
-Runs of other backends keep stock fairseq's output; FAIRSEQ_FSDP2_DEBUG=1 too.
+'default', 'always')``, exit status 2, printed by one rank per machine (errors.prints_bad_input),
+where a fairseq command parses its command line (cli.stop decides: cli.in_fairseq_command);
+a Python program that parses a list gets the OptionError. Runs of other backends keep stock
+fairseq's output; FAIRSEQ_FSDP2_DEBUG=1 too.
 """
 from __future__ import annotations
 
 import os
 import re
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
-from ..errors import DEBUG_ENV, OptionError, prints_bad_input
+from ..errors import DEBUG_ENV, OptionError
 from ..options import PLUGIN_OPTIONS, SERVED_BACKENDS
+from .cli import in_fairseq_command, owns_process
+from .cli import stop as stop_with
 
 #: the plugin's own flags (options.PLUGIN_OPTIONS as argparse spells them)
 PLUGIN_FLAGS = frozenset("--" + key.replace("_", "-") for key in PLUGIN_OPTIONS)
@@ -45,11 +49,11 @@ def one_line(argv: Sequence[str], message: str) -> bool:
     return not os.environ.get(DEBUG_ENV) and (asks_for_fsdp2(argv) or names_plugin_flag(message))
 
 
-def stop(message: str) -> None:
-    """Bad input: one line (on one rank per machine), exit status 2."""
-    if prints_bad_input():
-        print(f"fairseq_fsdp2: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
+def stop(message: str) -> NoReturn:
+    """Bad input: in a fairseq command, one line (on one rank per machine) and exit status 2,
+    as argparse's own error would end it; elsewhere (a program parsing a list) an
+    OptionError."""
+    stop_with(OptionError(message), owns_process() or in_fairseq_command())
 
 
 def check_not_loaded_mid_parse(stock_parse_code) -> None:

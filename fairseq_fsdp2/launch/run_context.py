@@ -12,8 +12,12 @@ What a run holds while it lasts, and what closing it undoes:
 - the SIGTERM handler (sigterm.py), the previous one restored;
 - the warning filters the run adds (quiet.RUN_WARNINGS: warnings that are expected while all
   is well, each with its reason), removed again, the caller's own untouched;
-- the process group, destroyed if the run opened it, and fairseq's cached global group, which
-  would point at the destroyed group in the next run.
+- the process group, destroyed if the run opened it, and fairseq's cached global group where
+  the run created it (it would point at a destroyed group in a later run);
+- what the run's parts changed on the process and registered to undo (``on_close``): the
+  collective timeout of a caller's process group (trainer/fsdp2_trainer.py), the CUDA device
+  (setup.py), the moments' kept buffers of every thread and their tables
+  (optimizer/blockwise_8bit.release_workspaces, registered by the trainer), undone last first.
 
 Module state: only ``current()``, the run in progress in this process (fairseq builds the
 trainer and the model from inside its own ``main``, with no way to pass the run along), and the
@@ -25,14 +29,13 @@ import itertools
 import logging
 import signal
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 from fairseq.distributed import utils as fairseq_distributed_utils
 
 from ..checkpoint.async_save import BackgroundSaves
 from ..errors import OptionError
-from ..optimizer.blockwise_8bit import release_workspaces
 from . import heartbeat, quiet
 from .heartbeat import Heartbeat
 
@@ -55,10 +58,21 @@ class RunContext:
         self.heartbeat: Optional[Heartbeat] = None
         #: the process group did not exist when the run started: the run destroys it
         self.owns_group = not (dist.is_available() and dist.is_initialized())
+        #: fairseq's cached global group did not exist either: the run drops it (in a
+        #: caller's group too, where it would outlive the run and the caller's group)
+        self._fairseq_cached = hasattr(fairseq_distributed_utils.get_global_group,
+                                       FAIRSEQ_GROUP_CACHE)
         self._sigterm: Optional[object] = None  # the handler before the run's, to restore
         self._sigterm_set = False
         self._quiet = quiet.install(quiet.RUN_WARNINGS)  # exactly these, removed by close()
+        self._undo: list[Callable[[], None]] = []  # on_close's, run last first
         self.closed = False
+
+    def on_close(self, undo: Callable[[], None]) -> None:
+        """Have ``close`` call ``undo`` (no argument): what a part of the run changed on the
+        process, put back. Called last first, each even if an earlier one failed (a warning
+        says so)."""
+        self._undo.append(undo)
 
     def start_heartbeat(self, rank: int, world_size: int) -> Optional[Heartbeat]:
         """The trainer's heartbeat (None for one rank): stopped when the run closes."""
@@ -91,18 +105,28 @@ class RunContext:
                 logger.warning("the heartbeat thread did not stop; it ends with the process")
             if self.saves is not None:
                 self.saves.close()
+            self._run_undo()  # while the process group is still there
+            fairseq_group_cache = fairseq_distributed_utils.get_global_group
+            if (self.owns_group or not self._fairseq_cached) and \
+                    hasattr(fairseq_group_cache, FAIRSEQ_GROUP_CACHE):
+                delattr(fairseq_group_cache, FAIRSEQ_GROUP_CACHE)
             if self.owns_group and dist.is_initialized():
-                fairseq_group_cache = fairseq_distributed_utils.get_global_group
-                if hasattr(fairseq_group_cache, FAIRSEQ_GROUP_CACHE):
-                    delattr(fairseq_group_cache, FAIRSEQ_GROUP_CACHE)
                 dist.destroy_process_group()
             if self._sigterm_set:
                 signal.signal(signal.SIGTERM, self._sigterm)
         finally:
             quiet.remove(self._quiet)
-            release_workspaces()  # the 8-bit and bf16 moments' kept CPU buffers
             if _current is self:
                 _current = None
+
+    def _run_undo(self) -> None:
+        while self._undo:
+            undo = self._undo.pop()
+            try:
+                undo()
+            except Exception as e:  # noqa: BLE001 - the rest of the teardown still runs
+                logger.warning("the end of the run could not undo %s: %s: %s",
+                               getattr(undo, "__qualname__", undo), type(e).__name__, e)
 
 
 _current: Optional[RunContext] = None

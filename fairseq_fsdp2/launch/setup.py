@@ -6,6 +6,7 @@
   group; ranks a task starts itself run this path too (spawn.py);
 - gloo on CPU, NCCL on CUDA;
 - bad options raise OptionError here, before any work (lifecycle.py reports them);
+- the 8-bit moments' CPU kernel is built (or loaded) here, before any collective timeout;
 - the run's state goes into a run context (run_context.py), which the end of the run closes.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from fairseq.distributed import utils as fairseq_distributed_utils
 from omegaconf import open_dict
 
 from ..errors import OptionError, RankLostError, first_line
+from ..optimizer import kernels
 from ..options import FSDP2_BACKEND, LEGACY_FSDP_BACKEND
 from . import preflight, run_context, sigterm, slurm, torchrun
 from .run_context import RunContext
@@ -69,6 +71,10 @@ def set_up_run(cfg) -> Optional[RunContext]:
         # several GPUs, one process: fairseq's own single-node settings; spawn() starts the ranks
         fairseq_distributed_utils.infer_init_method(dt)
     preflight.check_options(cfg)
+    if not on_cuda and getattr(dt, "eight_bit_adam_stats", False):
+        # the 8-bit moments' CPU kernel built now (about 30 s the first time, then loaded from
+        # PyTorch's cache), not in the first optimizer step, where collective timeouts apply
+        kernels.blockwise_8bit()
     background_saves = bool(dt.distributed_no_spawn
                             and cfg.checkpoint.write_checkpoints_asynchronously)
     if background_saves:
@@ -140,7 +146,9 @@ def _init_process_group(cfg, run: RunContext) -> None:
     timeout = timedelta(seconds=dt.heartbeat_timeout) if dt.heartbeat_timeout > 0 else None
     agent = torchrun.under_torchrun_agent() and dt.distributed_init_method == "env://"
     if dt.distributed_backend == "nccl":
+        previous = torch.cuda.current_device()
         torch.cuda.set_device(dt.device_id)
+        run.on_close(lambda: torch.cuda.set_device(previous))  # the caller's, at the end
     try:
         if agent:
             torchrun.init_under_torchrun(dt.distributed_backend, timeout, run.index)

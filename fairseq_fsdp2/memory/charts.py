@@ -7,6 +7,8 @@ import logging
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ..errors import FSDP2Error
+
 
 def read_memory_log(path) -> list[dict]:
     """The records of a ``memory.jsonl`` (one per log interval), in file order."""
@@ -40,8 +42,8 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:  # pragma: no cover - the pinned requirements install it
-        raise SystemExit("fairseq_fsdp2: error: drawing a chart needs matplotlib "
-                         "(pip install -r requirements.txt)") from None
+        raise FSDP2Error("drawing a chart needs matplotlib (pip install -r requirements.txt)") \
+            from None
     matplotlib.use("Agg")
     logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq logs at DEBUG
     import matplotlib.pyplot as plt

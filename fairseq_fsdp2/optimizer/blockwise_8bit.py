@@ -66,7 +66,6 @@ themselves (we step with fairseq's Adam); no CPU path of it takes row-aligned bl
 from __future__ import annotations
 
 import math
-import threading
 from functools import lru_cache
 from typing import Optional
 
@@ -74,7 +73,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import kernels
-from .stochastic_round import release_draws
+from .stochastic_round import draws_kept, release_draws
+from .thread_buffers import ThreadBuffers
 
 #: elements per block (bitsandbytes' and torchao's block size)
 BLOCK = 256
@@ -302,16 +302,18 @@ class _Workspace:
     allocator keeps its blocks: one per call."""
 
     #: per thread (two threads quantizing at once never share one): the kept workspace;
-    #: dropped by release_workspaces at the end of a run (the process is the user's)
-    kept = threading.local()
+    #: every thread's dropped by release_workspaces at the end of a run (the process is the
+    #: user's)
+    kept = ThreadBuffers()
 
     @classmethod
     def at_least(cls, blocks: int, device: torch.device) -> "_Workspace":
         if device.type != "cpu":
             return cls(blocks, device)
-        work = getattr(cls.kept, "work", None)
+        work = cls.kept.get()
         if work is None or work.blocks < blocks:
-            work = cls.kept.work = cls(blocks, device)
+            work = cls(blocks, device)
+            cls.kept.put(work)
         return work
 
     @classmethod
@@ -366,7 +368,17 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool,
 
 
 def release_workspaces() -> None:
-    """Drop the calling thread's kept CPU buffers (quantize's workspace, the bf16 rounding's
-    draws): a run's context calls it at the run's end (launch/run_context.py)."""
-    _Workspace.kept.__dict__.clear()
+    """Drop what the moments' code keeps between calls: every thread's CPU buffers (quantize's
+    workspace, the bf16 rounding's draws) and the per-device tables (CUDA memory too). The
+    trainer has its run's context call it at the run's end (launch/run_context.py)."""
+    _Workspace.kept.clear()
     release_draws()
+    _map_on.cache_clear()
+    _tables.cache_clear()
+
+
+def kept_state() -> dict:
+    """What release_workspaces drops, counted (tests/probes/in_process.py checks a run leaves
+    none of it)."""
+    return {"workspaces": len(_Workspace.kept), "draws": draws_kept(),
+            "tables": _map_on.cache_info().currsize + _tables.cache_info().currsize}

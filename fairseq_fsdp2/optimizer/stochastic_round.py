@@ -22,10 +22,11 @@ per 4 KiB, 2.7 us each on this project's machines, more than rounding the 4 KiB.
 """
 from __future__ import annotations
 
-import threading
 from typing import Optional
 
 import torch
+
+from .thread_buffers import ThreadBuffers
 
 #: Elements rounded per batch of random integers: the integers (int32, and their 64-bit draws)
 #: are the only temporaries, 6 bytes an element of a batch, whatever the tensor's size.
@@ -63,22 +64,27 @@ def to_bf16_stochastic(x: torch.Tensor, generator: torch.Generator,
 
 
 #: per thread (two threads rounding at once never share them): (64-bit draws, int32 noise),
-#: CHUNK elements' worth, dropped by release_draws at the end of a run
-_kept = threading.local()
+#: CHUNK elements' worth, every thread's dropped by release_draws at the end of a run
+_kept = ThreadBuffers()
 
 
 def _buffers(size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(int64 draws for ``size`` elements, int32 noise of ``size``); on CPU kept between calls
     (the module docstring says why), on a GPU the caching allocator's."""
-    kept = getattr(_kept, "buffers", None) if device.type == "cpu" else None
+    kept = _kept.get() if device.type == "cpu" else None
     if kept is None or kept[1].numel() < size:
         kept = (torch.empty(-(-size // 4), dtype=torch.int64, device=device),
                 torch.empty(size, dtype=torch.int32, device=device))
         if device.type == "cpu":
-            _kept.buffers = kept
+            _kept.put(kept)
     return kept
 
 
+def draws_kept() -> int:
+    """The threads holding kept CPU buffers."""
+    return len(_kept)
+
+
 def release_draws() -> None:
-    """Drop the calling thread's kept CPU buffers (blockwise_8bit.release_workspaces)."""
-    _kept.__dict__.clear()
+    """Drop every thread's kept CPU buffers (blockwise_8bit.release_workspaces)."""
+    _kept.clear()

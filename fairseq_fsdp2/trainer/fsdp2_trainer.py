@@ -24,6 +24,7 @@ from ..launch import heartbeat, run_context
 from ..memory.breakdown import record_update
 from ..memory.monitor import MemoryMonitor, describe_last
 from ..optimizer import mixed_precision
+from ..optimizer.blockwise_8bit import release_workspaces
 from ..optimizer.build import build_optimizer
 from ..models import lora
 from ..options import (FSDP2_BACKEND, lora_modules, lora_scaling, lora_train_patterns,
@@ -113,8 +114,11 @@ class FSDP2Trainer(TrainerEMA, TrainerCheckpoints, Trainer):
         mesh = build_mesh(self.device.type, world, dt.fsdp2_replicate_degree)
         if dt.heartbeat_timeout > 0:
             # fairseq's --heartbeat-timeout: no collective waits longer than this for a peer
-            heartbeat.set_collective_timeout(dt.heartbeat_timeout, [
+            restore = heartbeat.set_collective_timeout(dt.heartbeat_timeout, [
                 dist.group.WORLD, distributed_utils.get_global_group(), *mesh.get_all_groups()])
+            run = run_context.current()
+            if run is not None and not run.owns_group:  # a caller's group outlives the run
+                run.on_close(restore)
         dtype = mixed_precision.compute_dtype(self.cfg.common)
         mixed_precision.cast_float_buffers(model, dtype)
         apply_plan(model, plan, mesh,
@@ -152,6 +156,9 @@ class FSDP2Trainer(TrainerEMA, TrainerCheckpoints, Trainer):
         params = [p for p in chain(self.model.parameters(), self.criterion.parameters())
                   if p.requires_grad]
         self._optimizer = build_optimizer(self.cfg, params)
+        run = run_context.current()
+        if run is not None:  # the moments' kept buffers and tables go with the run
+            run.on_close(release_workspaces)
         self._optimizer.optimizer.register_load_state_dict_pre_hook(self._load_sharded_optimizer)
         install_optimizer_hooks(self._optimizer.optimizer)
         if self._keeps_16_bit_grads():

@@ -6,7 +6,10 @@ train (1 rank, 4 updates) -> validate and generate from its checkpoint with fair
 -> train again, resuming to update 6 -> an uninterrupted 6-update run (the resume's reference:
 the two consolidated exports compared bit for bit)
 -> another config (background saves, the root resharded, one encoder layer) -> a run with a
-missing data directory and one with a broken checkpoint, each caught as an FSDP2Error.
+missing data directory and one with a broken checkpoint, each caught as an FSDP2Error -> a run
+in a process group the program opened itself (with --heartbeat-timeout, which the run sets on
+that group, and 8-bit moments, whose buffers and tables the run keeps), the state before and
+after it recorded while the group is still open.
 
 It prints ``PHASE <name> <json>`` after each step (the process's state then) and ``DONE`` at the
 end; an ``atexit`` handler prints ``ATEXIT`` at interpreter exit. fairseq's own log lines (the
@@ -16,6 +19,7 @@ argv[1]: a JSON object: ``corpus``, ``model`` (the tiny model's flags), ``traini
 """
 import atexit
 import json
+from datetime import timedelta
 import os
 import signal
 import sys
@@ -34,6 +38,19 @@ from fairseq_cli import generate, train, validate
 
 from fairseq_fsdp2.errors import FSDP2Error
 from fairseq_fsdp2.launch import run_context
+from fairseq_fsdp2.optimizer import blockwise_8bit
+
+#: the collective timeout of the program's own process group (the run sets 30 s on it)
+CALLER_TIMEOUT = timedelta(seconds=1234)
+
+
+def collective_timeouts() -> list:
+    """The seconds of each backend's collective timeout of the default group (none: [])."""
+    if not dist.is_initialized():
+        return []
+    group = dist.group.WORLD
+    backends = {id(b): b for b in (group._get_backend(d) for d in group._device_types)}
+    return sorted(b.options._timeout.total_seconds() for b in backends.values())
 
 
 def state() -> dict:
@@ -43,7 +60,16 @@ def state() -> dict:
             "group": dist.is_initialized(),
             "threads": sorted(t.name for t in threading.enumerate()
                               if t.name.startswith("fsdp2")),
-            "run": run_context.current() is not None}
+            "run": run_context.current() is not None,
+            # the process group's collective timeout, torch.load's allow-list, the 8-bit and
+            # bf16 moments' kept buffers (every thread's) and tables, the CUDA device, fairseq's
+            # cached global group
+            "timeouts": collective_timeouts(),
+            "safe_globals": sorted(map(str, torch.serialization.get_safe_globals())),
+            "moments": blockwise_8bit.kept_state(),
+            "cuda_device": torch.cuda.current_device() if torch.cuda.is_initialized() else None,
+            "fairseq_group_cache": hasattr(distributed_utils.get_global_group,
+                                           run_context.FAIRSEQ_GROUP_CACHE)}
 
 
 def phase(name: str, **extra) -> None:
@@ -128,8 +154,15 @@ def main() -> None:
         failed = caught([*common, "--max-update", 2, "--save-dir", os.path.join(tmp, "b"),
                          "--restore-file", broken])
         phase("broken-checkpoint", error=failed)
-        train_run([*common, "--max-update", 2, "--save-dir", os.path.join(tmp, "after")])
-        phase("after-failures")
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", world_size=1, rank=0,
+                                timeout=CALLER_TIMEOUT)  # the program's own group
+        before = state()
+        train_run([*common, "--max-update", 2, "--save-dir", os.path.join(tmp, "after"),
+                   "--heartbeat-timeout", 30, "--eight-bit-adam-stats",
+                   "--encoder-ffn-embed-dim", 128])  # fc1, fc2: 4096 elements, 8-bit moments
+        after = state()
+        dist.destroy_process_group()
+        phase("after-failures", caller_group={"before": before, "after": after})
         phase("end", tmp_exists=os.path.isdir(tmp))
     print("DONE", flush=True)
 

@@ -16,10 +16,17 @@
 // depend on the order it is taken in (its -0.0 becomes +0.0), so the versions agree bit for
 // bit; the test runs every version the CPU has against the eager code. The tables are read
 // as pairs, one 64-bit load for both halves: for each 16-bit prefix (low, after) and for each
-// code (value, gap), packed by blockwise_8bit.py.
+// code (value, gap), packed by blockwise_8bit.py. The AVX-512 version is built on x86-64 only
+// (FSDP2_X86_64); elsewhere (aarch64, ...) the plain loops are the only ones, and best_isa()
+// says so.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#if defined(__x86_64__) || defined(_M_X64)
+#define FSDP2_X86_64 1
 #include <immintrin.h>
+#else
+#define FSDP2_X86_64 0
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -35,8 +42,12 @@ constexpr int kPlain = 0, kAvx512 = 1;
 
 // The most capable version this CPU (and its operating system) runs.
 int best_isa() {
+#if FSDP2_X86_64
   static const int best = __builtin_cpu_supports("avx512f") ? kAvx512 : kPlain;
   return best;
+#else
+  return kPlain;
+#endif
 }
 
 // The version to run: the most capable the CPU has, at most ``wanted`` (-1: the best).
@@ -97,6 +108,7 @@ float quantize_plain(const float* p, int64_t n, const uint16_t* d, const int64_t
   return peak;
 }
 
+#if FSDP2_X86_64
 // The 16 entries of ``table`` at ``index`` (16 int32), split into their low and high halves.
 __attribute__((target("avx512f"))) inline void gather_pairs(const int64_t* table, __m512i index,
                                                             __m512i* low, __m512i* high) {
@@ -145,6 +157,7 @@ __attribute__((target("avx512f"))) float quantize_avx512(const float* p, const u
   }
   return peak;
 }
+#endif  // FSDP2_X86_64
 
 }  // namespace
 
@@ -180,8 +193,13 @@ void quantize_rows(const torch::Tensor& x, const torch::Tensor& draws,
       const float* p = xs + r * row + j0;
       const uint16_t* db = d + r * blocks * kBlock + j0;
       uint8_t* ob = out + r * row + j0;
+#if FSDP2_X86_64
       am[k] = n < kBlock || level == kPlain ? quantize_plain(p, n, db, bp, bc, ob)
                                             : quantize_avx512(p, db, bp, bc, ob);
+#else
+      (void)level;  // kPlain: best_isa() is
+      am[k] = quantize_plain(p, n, db, bp, bc, ob);
+#endif
     }
   });
 }

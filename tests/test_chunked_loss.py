@@ -32,7 +32,7 @@ from fairseq_fsdp2.criterions.chunked import (
     CrossEntropyChunkedCriterion,
     LabelSmoothedCrossEntropyChunkedCriterion,
 )
-from fairseq_fsdp2.criterions.fused import float_rows, fused_pass
+from fairseq_fsdp2.criterions.fused import chunk_bytes, float_rows, fused_pass
 
 ROOT = Path(__file__).resolve().parents[1]
 NLLB_VOCAB = 256_206
@@ -407,6 +407,20 @@ def test_peak_memory_at_nllb_vocabulary():
     # the same loss (a sum of positive terms) up to its reassociated float32 rounding
     assert abs(chunked_loss - stock_loss) <= rounding_scale(model, sample) * U32 * stock_loss
     assert stock >= 4 * chunked, report
+    # The fused loss's own bound, as the estimator counts it (chunk_bytes): besides the model's
+    # parameters P and one vocabulary x dim gradient of the tied weight (its buffer in forward;
+    # in backward the embedding's own dense gradient, which the stock path holds too: at most a
+    # second P), ONE chunk of float32 logits is alive. Everything else is tokens x dim or
+    # tokens-long (features, their gradient, per-token statistics: under 1 MiB here, against a
+    # 62.5 MiB chunk), and a quarter chunk bounds it. A chunk's logits kept alive while the
+    # next chunk's are computed (a view left bound: 2d1f9ac, +251 MiB per rank at NLLB-600M's
+    # dim 256) adds a whole chunk and fails here.
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    one_chunk = chunk_bytes(chunk, NLLB_VOCAB, 4, 4)
+    bound = 2 * params + one_chunk + one_chunk // 4
+    assert chunked <= bound, (f"{report}; bound {bound / 2**20:.0f} MiB: parameters "
+                              f"{params / 2**20:.0f} MiB twice and one {one_chunk / 2**20:.1f} MiB "
+                              "chunk of logits")
 
 
 # -- 3. FSDP2 through fairseq-train ----------------------------------------------------------

@@ -131,6 +131,10 @@ def fused_pass(features: torch.Tensor, weight: torch.Tensor, target: torch.Tenso
                 z.mul_(scale)
             if g.dtype != torch.float32:  # the 16-bit gradient over the logits
                 g[rows].copy_(z)
+        # z views this chunk's logits (float32 weights) or its float32 gradient (unhinted
+        # fp16): left bound, it would keep them alive while the next chunk's are computed,
+        # two chunks of tokens x vocabulary at once where the estimator counts one
+        del z
         nll = lse - z_target
         sums[1] += nll.sum()
         if eps:

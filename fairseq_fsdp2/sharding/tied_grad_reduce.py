@@ -214,7 +214,7 @@ class TiedShardReducer:
 
 def reduce_scatter(output_tensor, input_tensor, group, op) -> None:
     """The reduce-scatter on backends other than gloo (NCCL): torch's own."""
-    dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+    dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group)
 
 
 def _all_gather_rows(index: torch.Tensor, rows: torch.Tensor, group):
@@ -224,7 +224,7 @@ def _all_gather_rows(index: torch.Tensor, rows: torch.Tensor, group):
     if size == 1:
         return index, rows
     counts = torch.empty(size, dtype=torch.int64, device=index.device)
-    dist.all_gather_into_tensor(counts, torch.tensor([index.numel()], device=index.device),
+    dist.all_gather_single(counts, torch.tensor([index.numel()], device=index.device),
                                 group=group)
     most = int(counts.max())
     pad = most - index.numel()
@@ -233,8 +233,8 @@ def _all_gather_rows(index: torch.Tensor, rows: torch.Tensor, group):
         rows = torch.cat([rows, rows.new_zeros((pad, rows.size(1)))])
     all_index = index.new_empty((size * most,))
     all_rows = rows.new_empty((size * most, rows.size(1)))
-    dist.all_gather_into_tensor(all_index, index.contiguous(), group=group)
-    dist.all_gather_into_tensor(all_rows, rows.contiguous(), group=group)
+    dist.all_gather_single(all_index, index.contiguous(), group=group)
+    dist.all_gather_single(all_rows, rows.contiguous(), group=group)
     return all_index, all_rows
 
 
@@ -246,7 +246,7 @@ def gathered_row_count(count: int, folded: bool, groups, device) -> Optional[int
     for group in groups:
         size = dist.get_world_size(group)
         gathered = torch.empty(size, dtype=torch.int64, device=device)
-        dist.all_gather_into_tensor(gathered, value, group=group)
+        dist.all_gather_single(gathered, value, group=group)
         value = gathered.min().reshape(1) if int(gathered.min()) < 0 else gathered.max().reshape(1)
         n *= size
     return None if int(value) < 0 else int(value) * n

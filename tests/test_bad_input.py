@@ -199,9 +199,8 @@ CATALOGUE = {
     "`--batch-size-valid`, `--required-batch-size-multiple`, `--log-interval`, "
     "`--save-interval`, `--validate-interval`, `--max-source-positions`, "
     "`--max-target-positions` below 1)": [
-        (1, [flag, value], f"{flag} must be >= 1, got {value}")
-        for flag, value in [("--max-tokens", "0"), ("--max-tokens", "-5"), ("--batch-size", "0"),
-                            ("--update-freq", "0")]],
+        # one end to end; every flag of the row in-process (NUMBER_CASES, below)
+        (1, ["--max-tokens", "0"], "--max-tokens must be >= 1, got 0")],
     "a negative `--max-update`, `--max-epoch`, `--lr`, `--warmup-updates` or `--num-workers`": [
         (1, ["--max-update", "-3"], "--max-update must be >= 0 (0: no limit), got -3"),
         (1, ["--lr", "0.1,-1"], "--lr must be >= 0, got 0.1,-1")],
@@ -381,7 +380,7 @@ def test_train_sh_checks_the_command_line_before_torchrun(corpus, tmp_path):
 # torchrun and every rank runs again (setup.set_up_run); a command line stopped there ends as
 # the catalogue above shows end to end (one line, exit status 2), as the train.sh test does.
 NUMBER_CASES = [
-    ("--max-tokens", "0", "--max-tokens must be >= 1, got 0"),
+    ("--max-tokens", "-5", "--max-tokens must be >= 1, got -5"),
     ("--batch-size", "0", "--batch-size must be >= 1, got 0"),
     ("--max-tokens-valid", "0", "--max-tokens-valid must be >= 1, got 0"),
     ("--batch-size-valid", "-2", "--batch-size-valid must be >= 1, got -2"),

@@ -18,10 +18,11 @@ calls ``distributed_utils.call_main(cfg, fairseq_cli.train.main)``, which the pl
 It also accepts legacy (argparse-only) tasks and architectures in a hydra config, such as
 ``translation_multi_simple_epoch`` (integration/hydra_config.py), and gives hydra each job's
 best validation score (``--multirun`` sweepers such as Optuna or Ax read it; fairseq's own
-``hydra_main`` computes it and drops it).
+``hydra_main`` drops what it computes, which is not the best: see ``hydra_main``).
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -41,10 +42,31 @@ FAIRSEQ_CONFIG = os.path.join(os.path.dirname(fairseq.__file__), "config")
 
 
 def hydra_main(cfg) -> float:
-    """One hydra job: fairseq's hydra main, whose result (the best validation score; inf
-    without validation) goes back to hydra."""
+    """One hydra job: fairseq's hydra main; the job's best validation score goes back to hydra.
+
+    The best is fairseq's own, the score of ``checkpoint_best.pt``: the best
+    ``checkpoint.best_checkpoint_metric`` (``--best-checkpoint-metric``, the largest with
+    ``maximize_best_checkpoint_metric``) of the validations at a save point (those fairseq
+    compares for ``checkpoint_best.pt``, with --no-save too; the end of --max-update is one), and
+    of the run a job resumes. fairseq's ``_hydra_main`` returns
+    its smoothed ``valid`` meter instead, which a run never resets: with several validations,
+    their mean. Without validation: the worst score there is (inf, -inf when maximizing).
+
+    A sweep runs its jobs one after the other in this process, and fairseq keeps the best (and
+    the --patience count) in attributes of its functions, for the process: each job starts
+    without the previous job's."""
     from fairseq_cli import hydra_train
-    return hydra_train._hydra_main(cfg)  # fairseq's; its public hydra_main returns None
+    from fairseq_cli import train as fairseq_train
+    from fairseq import checkpoint_utils
+
+    for function, names in ((checkpoint_utils.save_checkpoint, ("best",)),
+                            (fairseq_train.should_stop_early, ("best", "num_runs"))):
+        for name in names:
+            vars(function).pop(name, None)
+    hydra_train._hydra_main(cfg)  # fairseq's; its public hydra_main returns None
+    maximize = cfg.checkpoint.maximize_best_checkpoint_metric
+    best = getattr(checkpoint_utils.save_checkpoint, "best", None)
+    return float(best) if best is not None else -math.inf if maximize else math.inf
 
 
 def cli_main() -> None:

@@ -8,6 +8,7 @@ import itertools
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -282,6 +283,25 @@ def train_inner(output: str) -> list[dict]:
         if "| train_inner |" in line:
             records.append(json.loads(line.split("| train_inner | ", 1)[1]))
     return records
+
+
+#: a line fairseq's logging writes: "2026-12-05 15:00:00 | WARNING | fairseq_fsdp2.x | message"
+LOG_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \| [A-Z]+ \| [\w.]+ \| (.*)$")
+
+
+def said_twice(output: str, shortest: int = 20) -> list[tuple[str, str]]:
+    """(log message, other line) pairs of one process's output where a line that is not a log
+    record (a print, a line of a multi-line record) says a log record's message again, or
+    the record says the line's: a message printed beside its logger call. Lines and messages
+    shorter than ``shortest`` characters are left out (table borders, blank lines)."""
+    messages, others = [], []
+    for line in output.splitlines():
+        record = LOG_RECORD.match(line)
+        if record:
+            messages.append(record.group(1).strip())
+        elif len(line.strip()) >= shortest:
+            others.append(line.strip())
+    return [(m, o) for m in messages if len(m) >= shortest for o in others if m in o or o in m]
 
 
 def train_summary(output: str) -> dict:

@@ -146,8 +146,13 @@ def resumed_at(output: str) -> int:
     return int(found.group(1)) if found else 0
 
 
-def assert_resumed_exactly(made: dict, uninterrupted: dict, first: int) -> None:
-    assert made and min(made) == first, (sorted(made), first)
+def assert_resumed_exactly(made: dict, uninterrupted: dict, first: int,
+                           last: int | None = None) -> None:
+    """The resumed run made every update from ``first`` to ``last`` (default: the uninterrupted
+    run's last; a run killed again stops before), none missing, none more, each equal to the
+    uninterrupted run's update bit for bit."""
+    last = max(uninterrupted) if last is None else last
+    assert sorted(made) == list(range(first, last + 1)), (sorted(made), first, last)
     for n, value in made.items():
         assert value == uninterrupted[n], f"update {n}: {value} != {uninterrupted[n]}"
 

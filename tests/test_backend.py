@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from conftest import PLUGIN, REPO, other_rounding_draws, stock_ddp, train_args_for
-from launcher import (FORKED_WORKER, free_port, ok, run_command, run_ranks, start_torchrun,
-                      train_inner)
+from launcher import (FORKED_WORKER, free_port, ok, run_command, run_ranks, said_twice,
+                      start_torchrun, train_inner)
 from numerics import (FP16_MOMENT, FP32_REORDERED, U16, U32, U_BF16, assert_runs_close,
                       assert_within_noise, moment_rounding_step_error, per_update,
                       printed_close, printed_half_unit)
@@ -104,6 +104,7 @@ def test_legacy_nllb_flags_run_on_fsdp2(train_args):
         "--no-reshard-after-forward", updates=4)))
     assert "--ddp-backend fully_sharded is served by PyTorch FSDP2" in out
     assert "wraps no layer" in out  # the 1e8 threshold keeps every layer in the root
+    assert not said_twice(out), said_twice(out)  # the warning once, as a log record
     assert len(train_inner(out)) == 4
 
 

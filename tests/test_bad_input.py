@@ -199,9 +199,8 @@ CATALOGUE = {
     "`--batch-size-valid`, `--required-batch-size-multiple`, `--log-interval`, "
     "`--save-interval`, `--validate-interval`, `--max-source-positions`, "
     "`--max-target-positions` below 1)": [
-        (1, [flag, value], f"{flag} must be >= 1, got {value}")
-        for flag, value in [("--max-tokens", "0"), ("--max-tokens", "-5"), ("--batch-size", "0"),
-                            ("--update-freq", "0")]],
+        # one end to end; every flag of the row in-process (NUMBER_CASES, below)
+        (1, ["--max-tokens", "0"], "--max-tokens must be >= 1, got 0")],
     "a negative `--max-update`, `--max-epoch`, `--lr`, `--warmup-updates` or `--num-workers`": [
         (1, ["--max-update", "-3"], "--max-update must be >= 0 (0: no limit), got -3"),
         (1, ["--lr", "0.1,-1"], "--lr must be >= 0, got 0.1,-1")],
@@ -372,6 +371,75 @@ def test_train_sh_checks_the_command_line_before_torchrun(corpus, tmp_path):
     assert (result.stdout + result.stderr).splitlines() == [
         "fairseq_fsdp2: error: --max-tokens must be >= 1, got 0"]
     assert precheck.main(["2", *args, "--user-dir", PLUGIN, "--ddp-backend", "fsdp2"]) == 0
+    assert not save.exists()
+
+
+# --- every range preflight checks (launch/preflight.py NUMBER_RANGES) ---------------------------
+# One bad value per checked flag, with the message the user reads. They run in this process
+# through precheck.main: the parsing, backend settling and checks scripts/train.sh runs before
+# torchrun and every rank runs again (setup.set_up_run); a command line stopped there ends as
+# the catalogue above shows end to end (one line, exit status 2), as the train.sh test does.
+NUMBER_CASES = [
+    ("--max-tokens", "-5", "--max-tokens must be >= 1, got -5"),
+    ("--batch-size", "0", "--batch-size must be >= 1, got 0"),
+    ("--max-tokens-valid", "0", "--max-tokens-valid must be >= 1, got 0"),
+    ("--batch-size-valid", "-2", "--batch-size-valid must be >= 1, got -2"),
+    ("--required-batch-size-multiple", "0",
+     "--required-batch-size-multiple must be >= 1, got 0"),
+    ("--num-workers", "-1", "--num-workers must be >= 0, got -1"),
+    ("--validate-interval", "0", "--validate-interval must be >= 1, got 0"),
+    ("--update-freq", "1,0", "--update-freq must be >= 1, got 1,0"),
+    ("--max-update", "-1", "--max-update must be >= 0 (0: no limit), got -1"),
+    ("--max-epoch", "-1", "--max-epoch must be >= 0 (0: no limit), got -1"),
+    ("--lr", "-0.001", "--lr must be >= 0, got -0.001"),
+    ("--log-interval", "0", "--log-interval must be >= 1, got 0"),
+    ("--save-interval", "0", "--save-interval must be >= 1, got 0"),
+    ("--warmup-updates", "-1", "--warmup-updates must be >= 0, got -1"),
+    ("--max-source-positions", "0", "--max-source-positions must be >= 1, got 0"),
+    ("--max-target-positions", "0", "--max-target-positions must be >= 1, got 0"),
+    ("--dropout", "1.5", "--dropout must be between 0 and 1, got 1.5"),
+    ("--attention-dropout", "-0.1", "--attention-dropout must be between 0 and 1, got -0.1"),
+    ("--activation-dropout", "1.01", "--activation-dropout must be between 0 and 1, got 1.01"),
+]
+#: each flag at the edge of its range, all in one command line that passes
+EDGES = ["--max-tokens", "1", "--batch-size", "1", "--max-tokens-valid", "1",
+         "--batch-size-valid", "1", "--required-batch-size-multiple", "1", "--num-workers", "0",
+         "--validate-interval", "1", "--update-freq", "1", "--max-update", "0", "--max-epoch",
+         "0", "--lr", "0", "--log-interval", "1", "--save-interval", "1", "--warmup-updates",
+         "0", "--max-source-positions", "1", "--max-target-positions", "1", "--dropout", "1",
+         "--attention-dropout", "0", "--activation-dropout", "1"]
+
+
+def precheck_line(corpus, save, *flags) -> list:
+    return ["1", corpus, *TINY_MODEL, *TRAINING, "--user-dir", PLUGIN, "--ddp-backend", "fsdp2",
+            "--save-dir", save, *flags]
+
+
+def test_every_checked_range_has_a_case_and_a_catalogue_row():
+    from fairseq_fsdp2.launch.preflight import NUMBER_RANGES
+    flags = [flag for flag, _, _ in NUMBER_CASES]
+    assert sorted(flags) == sorted(row[2] for row in NUMBER_RANGES)
+    assert sorted(EDGES[::2]) == sorted(flags)
+    rows = " ".join(catalogue_rows())
+    assert [f for f in flags if f"`{f}" not in rows] == []  # docs/errors.md names each
+
+
+@pytest.mark.parametrize("flag, value, message", NUMBER_CASES, ids=[c[0] for c in NUMBER_CASES])
+def test_a_number_out_of_its_range_stops_with_one_line(corpus, tmp_path, capsys, flag, value,
+                                                       message):
+    save = tmp_path / "ckpt"
+    with pytest.raises(SystemExit) as stopped:
+        precheck.main([str(a) for a in precheck_line(corpus, save, flag, value)])
+    out, err = capsys.readouterr()
+    assert stopped.value.code == 2 and err.splitlines() == [f"fairseq_fsdp2: error: {message}"], \
+        out + err
+    assert not save.exists()
+
+
+def test_numbers_at_the_edges_of_their_ranges_pass(corpus, tmp_path, capsys):
+    save = tmp_path / "ckpt"
+    assert precheck.main([str(a) for a in precheck_line(corpus, save, *EDGES)]) == 0
+    assert "error" not in capsys.readouterr().err
     assert not save.exists()
 
 

@@ -43,21 +43,37 @@ def run(tmp_path_factory):
     return root, data, save
 
 
-def stock_generate(data, checkpoint) -> list[str]:
-    """fairseq-generate's detokenized translations of the eng->fra test set, in order."""
+#: the least spread of a model's scores over the test sentences (relative to their size) that
+#: shows it reads its source: a model blind to it (a wrong load; an encoder whose output is
+#: constant) scores every sentence alike up to float32 rounding, in sums over ~20 positions
+#: (2^-24 relative each), far below 2^-10
+READS_ITS_SOURCE = 2.0 ** -10
+
+
+def stock_generate(data, checkpoint, target_lang="fra_Latn") -> tuple[list[str], list[float]]:
+    """fairseq-generate's detokenized translations of the eng->target test set, in order, and
+    their scores."""
     result = run_command(
         "fairseq_cli.generate", data, "--path", checkpoint,
         "--task", "translation_multi_simple_epoch", "--source-lang", "eng_Latn",
-        "--target-lang", "fra_Latn", "--lang-pairs", ",".join(f"{s}-{t}" for s, t in PAIRS),
+        "--target-lang", target_lang, "--lang-pairs", ",".join(f"{s}-{t}" for s, t in PAIRS),
         "--langs", (data / "langs.txt").read_text().strip(), "--encoder-langtok", "src",
         "--decoder-langtok", "--gen-subset", "test", "--beam", GENERATION["beam"],
         "--max-len-b", GENERATION["max_len_b"], "--batch-size", 1,
         "--required-batch-size-multiple", 1, "--cpu", "--num-workers", 0,
         "--remove-bpe", "sentencepiece")
     assert result.returncode == 0, result.output[-3000:]
-    found = {int(m[1]): m[2] for m in re.finditer(r"^D-(\d+)\t\S+\t(.*)$", result.output, re.M)}
+    found = {int(m[1]): (m[3], float(m[2]))
+             for m in re.finditer(r"^D-(\d+)\t(\S+)\t(.*)$", result.output, re.M)}
     assert sorted(found) == list(range(N_TEST)), result.output[-3000:]
-    return [found[i] for i in range(N_TEST)]
+    return [found[i][0] for i in range(N_TEST)], [found[i][1] for i in range(N_TEST)]
+
+
+def assert_reads_its_source(scores: list[float]) -> None:
+    """The translations differ between sentences: here in their scores (40 updates leave
+    outputs that often coincide as text)."""
+    spread = max(scores) - min(scores)
+    assert spread > READS_ITS_SOURCE * max(abs(s) for s in scores), scores
 
 
 def hub(save, data, checkpoint_file, target_lang="fra_Latn"):
@@ -75,15 +91,22 @@ def translate(model, sentences) -> list[str]:
 def test_hub_translates_an_export_and_a_sharded_checkpoint_as_fairseq_generate(run):
     root, data, save = run
     sources = (root / "raw" / "test.eng_Latn-fra_Latn.eng_Latn").read_text().splitlines()
-    expected = stock_generate(data, save / "checkpoint_last_consolidated.pt")
+    expected, scores = stock_generate(data, save / "checkpoint_last_consolidated.pt")
+    # the model reads its source: a wrong load that gives every sentence one output would make
+    # any two readers agree
+    assert_reads_its_source(scores)
     exported = hub(save, data, "checkpoint_last_consolidated.pt")
     assert translate(exported, sources) == expected
     assert not any("__" in t for t in expected)  # fairseq-generate strips the tag too
     sharded = hub(save, data, "checkpoint_last.pt")  # its shards, read through patch 8
     assert translate(sharded, sources) == expected
 
-    # the other pair: its tag is left out too
-    german = translate(hub(save, data, "checkpoint_last_consolidated.pt", "deu_Latn"), sources)
+    # the other pair, as fairseq-generate translates it: its tag is left out too
+    sources = (root / "raw" / "test.eng_Latn-deu_Latn.eng_Latn").read_text().splitlines()
+    german, scores = stock_generate(data, save / "checkpoint_last_consolidated.pt", "deu_Latn")
+    assert_reads_its_source(scores)
+    assert translate(hub(save, data, "checkpoint_last_consolidated.pt", "deu_Latn"),
+                     sources) == german
     assert all(german) and not any("deu_Latn" in t for t in german), german
 
     with pytest.raises(ValueError, match="prefix_allowed_tokens_fn"):

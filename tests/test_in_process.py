@@ -185,25 +185,48 @@ def sweep(data, root, *overrides):
     return result, jobs
 
 
-def valid_losses(output: str) -> list[float]:
-    """The valid records' losses; hydra's job logging prints ``[valid][INFO] - {json}``."""
-    return [float(json.loads(line.split("[valid][INFO] - ", 1)[1])["valid_loss"])
-            for line in output.splitlines() if "[valid][INFO] - " in line]
+def valid_losses_per_job(output: str) -> list[list[float]]:
+    """Each job's validation losses, in order: hydra's launcher prints ``[HYDRA] \t#N : ...``
+    as it starts job N, its job logging ``[valid][INFO] - {json}`` for each validation."""
+    jobs = []
+    for line in output.splitlines():
+        if "[HYDRA] \t#" in line:
+            jobs.append([])
+        elif "[valid][INFO] - " in line:
+            jobs[-1].append(float(json.loads(line.split("[valid][INFO] - ", 1)[1])["valid_loss"]))
+    return jobs
 
 
 def test_a_hydra_sweep_runs_every_job_and_returns_each_best_validation_loss(nllb_data,
                                                                          tmp_path):
+    """Each job validates, and saves, after each of its 3 updates. It returns its best loss
+    (checkpoint_best.pt's: the least, the largest with maximize_best_checkpoint_metric), not
+    fairseq's smoothed valid meter, which is their mean, nor the last. The 4 jobs run in one
+    process, the two that minimize one after the other: the first (lr 0.003) reaches a lower
+    loss than the second (lr 0.0003) ever does, so a best carried over into the second job
+    would be returned there."""
     result, jobs = sweep(nllb_data, tmp_path, "optimization.max_update=3",
-                         "optimization.lr=[0.001],[0.002]")
+                         "dataset.validate_interval_updates=1",
+                         "checkpoint.save_interval_updates=1",
+                         "checkpoint.maximize_best_checkpoint_metric=false,true",
+                         "optimization.lr=[0.003],[0.0003]")
     assert result.returncode == 0, result.output[-4000:]
-    assert [(j["num"], j["status"]) for j in jobs] == [(0, "COMPLETED"), (1, "COMPLETED")]
-    # one validation per job, at its end (max_update): what fairseq's _hydra_main returns
-    # is that loss, rounded to 3 decimals as fairseq's meter rounds it and the log prints it
-    losses = valid_losses(result.output)
-    assert len(losses) == 2, result.output[-4000:]
-    assert [j["value"] for j in jobs] == losses and losses[0] != losses[1]
-    for j in jobs:
+    assert [(j["num"], j["status"]) for j in jobs] == [(n, "COMPLETED") for n in range(4)]
+    # the values fairseq's meter rounds to 3 decimals, as the log prints them
+    losses = valid_losses_per_job(result.output)
+    assert [len(each) for each in losses] == [3] * 4, result.output[-4000:]
+    for j, each in zip(jobs, losses):
+        best = max(each) if j["maximize"] else min(each)
+        mean = sum(each) / len(each)
+        assert best != mean, (j, each)  # validations whose best is not their mean
+        assert not j["maximize"] or best != each[-1], (j, each)  # nor, here, the last
+        assert j["value"] == best, (j, each)
         assert os.path.isfile(os.path.join(j["save_dir"], "checkpoint_last_consolidated.pt"))
+    minimizing = [(j["lr"], min(each)) for j, each in zip(jobs, losses) if not j["maximize"]]
+    # jobs 0 and 1, one after the other: the first job's best would win in the second
+    assert [lr for lr, _ in minimizing] == [[0.003], [0.0003]], minimizing
+    assert not jobs[0]["maximize"] and not jobs[1]["maximize"], jobs
+    assert minimizing[0][1] < minimizing[1][1], minimizing
 
 
 def test_a_failed_job_of_a_sweep_is_reported_as_hydra_reports_one(nllb_data, tmp_path):

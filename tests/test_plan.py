@@ -45,7 +45,7 @@ def test_no_wrap_warning_only_when_nothing_is_wrapped_on_several_ranks(model):
     nothing = build_plan(model, world_size=2, min_params_to_wrap=int(1e8))
     assert nothing.layer_units == []
     assert len(nothing.warnings) == 1 and "wraps no layer" in nothing.warnings[0]
-    assert "WARNING" in nothing.table()
+    assert "wraps no layer" not in nothing.table()  # the trainer logs it, once (test_backend)
     assert build_plan(model, world_size=1, min_params_to_wrap=int(1e8)).warnings == []
     assert build_plan(model, world_size=2, min_params_to_wrap=1).warnings == []
 

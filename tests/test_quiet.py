@@ -1,30 +1,30 @@
 """Silence when all is well (launch/quiet.py): a training run, a hydra command and plot_memory
-print no warning and no debug line under the default warning filters (no PYTHONWARNINGS), and
-the run's filters are the exact ones it names, gone again after the run.
+print no warning (Python's warnings, "XxxWarning: ...", and logging's, "| WARNING |") and no
+debug line under the default warning filters, and the run's filters are the exact ones it
+names, gone again after the run; the run says each of its messages once.
 
-The processes are forked from the test server, which starts with the suite's environment: with
-PYTHONWARNINGS set there, the filters are not the default ones and the runs prove nothing.
+The processes run as fresh interpreters without PYTHONWARNINGS, whatever the suite's
+environment holds: forked from the test server, they would have its filters, which come from
+the suite's environment (with PYTHONWARNINGS=ignore there, the runs would prove nothing).
 """
 from __future__ import annotations
 
-import os
 import re
 import warnings
 
 import pytest
 
 from conftest import REPO
-from launcher import ok, run_ranks, train_inner
+from launcher import ok, run_ranks, said_twice, train_inner
 
 from fairseq_fsdp2.launch import quiet
 
-WARNING_LINE = re.compile(r"^.*\b\w*Warning: .*$", re.M)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def default_filters():
-    if os.environ.get("PYTHONWARNINGS"):
-        pytest.skip("PYTHONWARNINGS is set: the runs would not see the default filters")
+#: a Python warning as printed ("...: UserWarning: ..."), a logging warning as fairseq's format
+#: writes it ("2026-12-05 15:00:00 | WARNING | name | ...") and as hydra's job logging does
+#: ("[2026-12-05 15:00:00,123][name][WARNING] - ...")
+WARNING_LINE = re.compile(r"^.*(\b\w*Warning: |\| WARNING \||\]\[WARNING\] - ).*$", re.M)
+#: the default warning filters: the variable empty is the variable unset (Python's _Py_GetEnv)
+DEFAULT_FILTERS = {"PYTHONWARNINGS": ""}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def run_output(corpus, tmp_path_factory) -> str:
                           "--fsdp2-root-reshard", "always", "--loss-chunk-tokens", "64",
                           save=True, updates=2)
     args[args.index("label_smoothed_cross_entropy")] = "label_smoothed_cross_entropy_chunked"
-    output = ok(run_ranks(1, lambda rank: args))
+    output = ok(run_ranks(1, lambda rank: args, fresh_interpreter=True, env=DEFAULT_FILTERS))
     assert len(train_inner(output)) == 2, output[-3000:]
     return output
 
@@ -48,7 +48,12 @@ def test_a_run_prints_no_hydra_deprecation(run_output):
 
 
 def test_a_run_prints_no_warning(run_output):
-    assert not WARNING_LINE.findall(run_output), WARNING_LINE.findall(run_output)
+    shown = [m.group(0) for m in WARNING_LINE.finditer(run_output)]
+    assert not shown, shown
+
+
+def test_a_run_says_each_message_once(run_output):
+    assert not said_twice(run_output), said_twice(run_output)
 
 
 def test_the_run_filters_are_exact_and_removed_after():
@@ -82,7 +87,8 @@ def command(module: str, *args) -> str:
     """``python -m module args`` in a fresh interpreter (not forked from the test server, whose
     logging has no root handler: a debug line would not show there), its output."""
     (result,) = run_ranks(1, lambda rank: [str(a) for a in args], module=module,
-                          fresh_interpreter=True, torchrun_env=False, timeout=180)
+                          fresh_interpreter=True, torchrun_env=False, timeout=180,
+                          env=DEFAULT_FILTERS)
     assert result.returncode == 0, result.output[-3000:]
     return result.output
 
@@ -93,7 +99,7 @@ def test_hydra_command_prints_no_deprecation_and_no_debug(corpus):
     output = command("fairseq_fsdp2.hydra_train", "--config-dir", REPO / "configs",
                      "--config-name", "nllb_tiny_demo", f"task.data={corpus}", "--cfg", "job")
     assert "max_update: 300" in output  # the config was composed and printed
-    assert not WARNING_LINE.findall(output), output[:3000]
+    assert not WARNING_LINE.search(output), output[:3000]
     assert "DEBUG" not in output, output[:3000]
 
 

@@ -104,7 +104,8 @@ class ShardingPlan:
         return [u for u in self.units if u.kind == LAYER]
 
     def table(self) -> str:
-        """The plan as a text table, one row a unit."""
+        """The plan as a text table, one row a unit (its ``warnings`` are for the caller to
+        say, once, at warning level)."""
         rows = [("unit", "modules", "params", "% model", "reshard after forward")]
         for u in self.units:
             modules = ", ".join(u.module_paths) if u.kind != ROOT else "(everything else)"
@@ -123,7 +124,7 @@ class ShardingPlan:
             lines.append(self.lora.describe())
         head = (f"FSDP2 sharding plan: {len(self.units)} units over {self.world_size} rank(s), "
                 f"{self.total_params:,} parameters, --min-params-to-wrap {self.min_params_to_wrap:,}")
-        return "\n".join([head] + lines + [f"WARNING: {w}" for w in self.warnings])
+        return "\n".join([head] + lines)
 
 
 def describe_reshard(setting: ReshardSetting, kind: str) -> str:

@@ -18,4 +18,6 @@ class JobResults(Callback):
         with open(self.out, "a") as f:
             f.write(json.dumps({"num": config.hydra.job.num, "status": job_return.status.name,
                                 "value": value,
-                                "save_dir": config.checkpoint.save_dir}) + "\n")
+                                "save_dir": config.checkpoint.save_dir,
+                                "maximize": config.checkpoint.maximize_best_checkpoint_metric,
+                                "lr": list(config.optimization.lr)}) + "\n")

@@ -10,7 +10,9 @@ FSDP2 fine-tune from the hub directory grows the embedding (checkpoint/grow_embe
 ``consolidate --format hf`` writes a directory that transformers loads with the bigger
 vocab_size, whose AutoTokenizer splits Latin into the new pieces on the dictionary's rows, and
 whose greedy ``generate`` with the new language code forced first gives the fairseq model's
-greedy translations.
+greedy translations. Beside that run, LoRA adds the languages from the hub directory
+(``--lora-rank 4 --lora-train-new-rows``): the hub's rows and weights kept bit for bit, the added
+rows and the adapters trained.
 """
 from __future__ import annotations
 

@@ -9,6 +9,8 @@ with save_pretrained (safetensors), with an NllbTokenizer built from a BPE Sente
 - the fairseq model loaded from the hub weights gives HF's logits;
 - a 2-rank fine-tune from the HF directory has the losses of one from the same weights in a
   fairseq checkpoint;
+- ``scripts/finetune_nllb.sh --pretrained HF_DIR --lora-rank 4`` trains adapters on the hub's
+  weights, kept bit for bit as the frozen base;
 - its sharded and consolidated checkpoints export (``consolidate --format hf``) to the same
   files, which transformers loads: same logits as fairseq, the same greedy translations as
   stock fairseq-generate; the export reads back (fairseq -> HF -> fairseq) bit for bit;

@@ -15,9 +15,9 @@ import torch
 
 import fairseq_fsdp2  # noqa: F401  (allow-lists the classes fairseq pickles for torch.load)
 
-from conftest import PLUGIN, TINY_MODEL, TRAINING
+from conftest import PLUGIN, REPO, TINY_MODEL, TRAINING
 from hf_compare import AMPLIFICATION_GUARD, LOGIT_TOL, fairseq_logits, greedy, greedy_gaps
-from launcher import ok, run_command, run_ranks
+from launcher import finish_ranks, ok, run_command, run_ranks, start_ranks
 from numerics import FP32_REORDERED, U32, per_update, printed_close
 
 from fairseq_fsdp2.checkpoint.export import lora_tensors
@@ -420,8 +420,6 @@ def starts(runs):
     does, with the same batches (update-freq 6); and from the 2-rank LoRA run's last
     checkpoint (--finetune-from-model), with lr 0 (the weights stay as loaded): a full
     fine-tune, and LoRA of another rank (2, alpha 2)."""
-    from conftest import REPO
-    from launcher import finish_ranks, start_ranks
     root, args = runs["root"], runs["args"]
     lora_ckpt = runs["root"] / "two" / "checkpoint_last.pt"
     procs = {

@@ -10,7 +10,9 @@ FSDP2 fine-tune from the hub directory grows the embedding (checkpoint/grow_embe
 ``consolidate --format hf`` writes a directory that transformers loads with the bigger
 vocab_size, whose AutoTokenizer splits Latin into the new pieces on the dictionary's rows, and
 whose greedy ``generate`` with the new language code forced first gives the fairseq model's
-greedy translations.
+greedy translations. Beside that run, LoRA adds the languages from the hub directory
+(``--lora-rank 4 --lora-train-new-rows``): the hub's rows and weights kept bit for bit, the added
+rows and the adapters trained.
 """
 from __future__ import annotations
 
@@ -67,20 +69,26 @@ def grown(tmp_path_factory):
     data = prepare(root / "raw", root / "data", hf_model=hub, add_langs=",".join(NEW_LANGS),
                    train_pieces=TRAIN_PIECES, log=lambda *a: None)
     save = root / "ckpt"
-    output = ok(finish_ranks(start_ranks(2, lambda rank: [
-        str(data), "--user-dir", PLUGIN, "--ddp-backend", "fsdp2", *flags(data),
-        "--finetune-from-model", str(hub), "--init-new-langs-from", "eng_Latn",
-        "--optimizer", "adam", "--adam-betas", "(0.9,0.98)", "--lr", "3e-3",
-        "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4", "--warmup-init-lr", "1e-7",
-        "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-        "--max-tokens", "2000", "--max-update", str(UPDATES), "--cpu", "--num-workers", "0",
-        "--log-format", "json", "--log-interval", "1", "--seed", "1", "--no-progress-bar",
-        "--disable-validation", "--save-dir", str(save), "--no-epoch-checkpoints"]),
-        timeout=300))
+
+    def finetune(save, updates, *extra):
+        return start_ranks(2, lambda rank: [
+            str(data), "--user-dir", PLUGIN, "--ddp-backend", "fsdp2", *flags(data),
+            "--finetune-from-model", str(hub), "--init-new-langs-from", "eng_Latn",
+            "--optimizer", "adam", "--adam-betas", "(0.9,0.98)", "--lr", "3e-3",
+            "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4", "--warmup-init-lr",
+            "1e-7", "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+            "--max-tokens", "2000", "--max-update", str(updates), "--cpu", "--num-workers", "0",
+            "--log-format", "json", "--log-interval", "1", "--seed", "1", "--no-progress-bar",
+            "--disable-validation", "--save-dir", str(save), "--no-epoch-checkpoints", *extra])
+    # beside it, LoRA adding the languages (docs/lora.md): adapters and the added rows train
+    runs = {"full": finetune(save, UPDATES),
+            "lora": finetune(root / "lora", 2, "--lora-rank", "4", "--lora-train-new-rows")}
+    outputs = {name: ok(finish_ranks(procs, timeout=300)) for name, procs in runs.items()}
     out = root / "hf"
     assert consolidate_main([str(save / "checkpoint_last.pt"), str(out), "--format", "hf"]) == 0
-    return SimpleNamespace(root=root, hub=hub, data=data, output=output, out=out,
-                           checkpoint=save / "checkpoint_last_consolidated.pt")
+    return SimpleNamespace(root=root, hub=hub, data=data, output=outputs["full"], out=out,
+                           checkpoint=save / "checkpoint_last_consolidated.pt",
+                           lora_output=outputs["lora"], lora_save=root / "lora")
 
 
 def task_and_model(data: Path, checkpoint: Path):
@@ -191,3 +199,38 @@ def test_export_loads_in_transformers_tokenizes_the_new_language_and_generates_a
     # differs first at a near-tie, which in float64 needs a gap below 2^-23 of the logits'
     # scale), and the outputs depend on the source
     assert same >= 1 and len(distinct) > 5
+
+
+def test_lora_from_the_hub_directory_with_added_languages(grown):
+    """--finetune-from-model HUB_DIR --lora-rank 4 --lora-train-new-rows --init-new-langs-from
+    eng_Latn on the grown dictionary (docs/lora.md, "Adding a language with LoRA"): the
+    embedding grows; every pretrained row and every other weight of the hub is kept bit for bit
+    (the frozen base, saved once), while every added row trained, and so did every adapter."""
+    from fairseq_fsdp2.checkpoint.export import lora_tensors
+    from fairseq_fsdp2.checkpoint.grow_embedding import plan_rows
+    from fairseq_fsdp2.hf.nllb_weights import FAIRSEQ_EMBEDDING, HFWeights
+    from fairseq_fsdp2.options import new_lang_sources
+    output = grown.lora_output
+    assert "grew the shared embedding" in output
+    assert "LoRA rank 4: 32 linear modules adapted" in output
+    path = grown.lora_save / "checkpoint_last.pt"
+    state = torch.load(path, weights_only=True)
+    hub = HFWeights(str(grown.hub))
+    rows = hub.shape(FAIRSEQ_EMBEDDING[0])[0]
+    assert state["fsdp2"]["lora"]["pretrained_rows"] == rows
+    tensors = lora_tensors(str(path), state)
+    lines = (grown.data / "dict.txt").read_text(encoding="utf-8").splitlines()
+    tokens = ["<s>", "<pad>", "</s>", "<unk>"] + [line.split(" ")[0] for line in lines]
+    embedding = tensors[FAIRSEQ_EMBEDDING[0]]
+    assert embedding.shape[0] == len(tokens) > rows
+    for key in hub:
+        value = hub[key]
+        got = tensors[key][:rows] if key in FAIRSEQ_EMBEDDING else tensors[key]
+        assert torch.equal(got, value), key
+    # every added row trained (each takes part in the output projection's softmax) from where
+    # the load put it (checkpoint/grow_embedding.py's rule: the language codes eng_Latn's row)
+    start = plan_rows(tokens, rows, new_lang_sources("eng_Latn")).grow(
+        hub[FAIRSEQ_EMBEDDING[0]])
+    assert all(not torch.equal(embedding[r], start[r]) for r in range(rows, len(tokens)))
+    trained = [k for k in tensors if k.endswith(".lora_B")]
+    assert len(trained) == 32 and all(tensors[k].abs().sum() > 0 for k in trained)

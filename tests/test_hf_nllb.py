@@ -9,6 +9,8 @@ with save_pretrained (safetensors), with an NllbTokenizer built from a BPE Sente
 - the fairseq model loaded from the hub weights gives HF's logits;
 - a 2-rank fine-tune from the HF directory has the losses of one from the same weights in a
   fairseq checkpoint;
+- ``scripts/finetune_nllb.sh --pretrained HF_DIR --lora-rank 4`` trains adapters on the hub's
+  weights, kept bit for bit as the frozen base;
 - its sharded and consolidated checkpoints export (``consolidate --format hf``) to the same
   files, which transformers loads: same logits as fairseq, the same greedy translations as
   stock fairseq-generate; the export reads back (fairseq -> HF -> fairseq) bit for bit;
@@ -24,6 +26,7 @@ import filecmp
 import json
 import math
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -239,18 +242,39 @@ def finetune_args(hub, source, save, updates):
         "--no-epoch-checkpoints"] + (["--no-save"] if updates == 1 else [])
 
 
+def recipe_lora_args(hub, save) -> list[str]:
+    """``scripts/finetune_nllb.sh --pretrained HUB_DIR --lora-rank 4`` (tiny, 2 CPU ranks, 2
+    updates): the fairseq-train arguments its --dry-run prints (test_nllb_finetune.py runs the
+    script's own launch; each fresh interpreter costs seconds)."""
+    proc = subprocess.run(
+        ["bash", str(TESTS.parent / "scripts" / "finetune_nllb.sh"), "--data", str(hub.data),
+         "--model-size", "tiny", "--cpu", "--nproc", "2", "--pretrained", str(hub.dir),
+         "--lora-rank", "4", "--max-update", "2", "--max-tokens", "2000", "--lr", "3e-3",
+         "--log-interval", "1", "--seed", "1", "--save-dir", str(save), "--dry-run", "--",
+         "--log-format", "json", "--no-epoch-checkpoints"],
+        capture_output=True, text=True, env=base_env(), timeout=60)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    cmd = shlex.split(proc.stdout)
+    assert cmd[2:4] == ["--nproc_per_node", "2"] and cmd[4].endswith("fairseq-train"), cmd
+    return cmd[5:]
+
+
 @pytest.fixture(scope="module")
 def finetuned(hub):
-    """Two 2-rank fine-tunes at once: from the HF directory (10 updates, saved) and from the
-    same weights in a fairseq checkpoint file (1 update)."""
+    """Three 2-rank fine-tunes at once: from the HF directory (10 updates, saved), from the
+    same weights in a fairseq checkpoint file (1 update), and LoRA from the HF directory
+    through scripts/finetune_nllb.sh (2 updates, saved)."""
     as_fairseq = hub.root / "hub_as_fairseq.pt"
     weights = hf_nllb.HFWeights(str(hub.dir))
     torch.save({"model": {k: v.clone() for k, v in weights.items()}}, as_fairseq)
     runs = {name: start_ranks(2, finetune_args(hub, source, hub.root / name, updates))
             for name, source, updates in (("from_hf", hub.dir, 10),
                                           ("from_fairseq", as_fairseq, 1))}
+    lora_args = recipe_lora_args(hub, hub.root / "lora")
+    runs["lora"] = start_ranks(2, lambda rank: lora_args)
     outputs = {name: ok(finish_ranks(procs, timeout=240)) for name, procs in runs.items()}
-    return SimpleNamespace(save=hub.root / "from_hf", outputs=outputs)
+    return SimpleNamespace(save=hub.root / "from_hf", lora_save=hub.root / "lora",
+                           outputs=outputs)
 
 
 @pytest.mark.slow
@@ -262,6 +286,30 @@ def test_finetune_from_hf_weights_has_the_fairseq_checkpoints_first_update(finet
     keys = ("loss", "nll_loss", "gnorm", "wpb", "bsz")
     assert {k: from_hf[0][k] for k in keys} == {k: from_fairseq[0][k] for k in keys}
     assert float(from_hf[-1]["loss"]) < float(from_hf[0]["loss"]) - 1.0  # and it trains
+
+
+@pytest.mark.slow
+def test_lora_from_the_hf_directory_through_finetune_nllb_sh(hub, finetuned):
+    """``finetune_nllb.sh --pretrained HF_DIR --lora-rank 4`` (docs/lora.md) loads the weights
+    transformers wrote and trains adapters on them: the saved frozen base is the hub's every
+    tensor bit for bit, every adapter's B moved from its zero start, and the run exports its
+    merged model."""
+    from fairseq_fsdp2.checkpoint.export import lora_tensors
+    output = finetuned.outputs["lora"]
+    assert f"loaded pretrained weights from {hub.dir}" in output
+    assert "LoRA rank 4: 32 linear modules adapted" in output
+    assert [int(r["num_updates"]) for r in train_inner(output)] == [1, 2]
+    path = finetuned.lora_save / "checkpoint_last.pt"
+    tensors = lora_tensors(str(path), torch.load(path, weights_only=True))
+    weights = hf_nllb.HFWeights(str(hub.dir))
+    assert set(tensors) - set(weights) == {k for k in tensors if ".lora_" in k}
+    for key in weights:
+        assert torch.equal(tensors[key], weights[key]), key
+    trained = [k for k in tensors if k.endswith(".lora_B")]
+    assert len(trained) == 32 and all(tensors[k].abs().sum() > 0 for k in trained)
+    export = torch.load(finetuned.lora_save / "checkpoint_last_consolidated.pt",
+                        weights_only=True)["model"]
+    assert set(export) == set(weights)
 
 
 @pytest.mark.slow

@@ -1,9 +1,12 @@
 """LoRA fine-tuning (--lora-rank, docs/lora.md): real runs of the tiny model, shared.
 
-One stock base checkpoint (1 rank, 2 full updates) is what every LoRA run fine-tunes
-(--finetune-from-model): 2 ranks x update-freq 3 (saved at update 2), the same global batch on
-1 rank x 6, the 2-rank run resumed at update 2 on 2 ranks (exact) and on 3 ranks x 2 (the same
-global batch, another reduction order), and a --bf16 run training the layer norms in full too.
+One base model (FSDP2, 1 rank, 2 full updates) is what every LoRA run fine-tunes
+(--finetune-from-model), from its stock (consolidated) checkpoint: 2 ranks x update-freq 3
+(saved at update 2), the 2-rank run resumed at update 2 on 2 ranks (exact) and on 3 ranks x 2
+(the same global batch, another reduction order), a --bf16 run training the layer norms in full
+too; and from its sharded FSDP2 checkpoint: the same global batch on 1 rank x 6. Starting points
+from Hugging Face directories: test_hf_nllb.py (through scripts/finetune_nllb.sh) and
+test_hf_add_langs.py (with added languages); from a LoRA checkpoint: ``starts`` below.
 """
 import copy
 
@@ -12,10 +15,10 @@ import torch
 
 import fairseq_fsdp2  # noqa: F401  (allow-lists the classes fairseq pickles for torch.load)
 
-from conftest import PLUGIN, TINY_MODEL, TRAINING
+from conftest import PLUGIN, REPO, TINY_MODEL, TRAINING
 from hf_compare import AMPLIFICATION_GUARD, LOGIT_TOL, fairseq_logits, greedy, greedy_gaps
-from launcher import ok, run_command, run_ranks
-from numerics import FP32_REORDERED, per_update, printed_close
+from launcher import finish_ranks, ok, run_command, run_ranks, start_ranks
+from numerics import FP32_REORDERED, U32, per_update, printed_close
 
 from fairseq_fsdp2.checkpoint.export import lora_tensors
 from fairseq_fsdp2.models import lora
@@ -41,7 +44,9 @@ def runs(corpus, tmp_path_factory):
     out = {"root": root, "base": base, "args": args}
     out["two"] = ok(run_ranks(2, lambda r: args(root / "two", *lora_run, "--update-freq", 3,
                                                  "--save-interval-updates", 2)))
-    out["one"] = ok(run_ranks(1, lambda r: args(root / "one", *lora_run, "--update-freq", 6,
+    # from the sharded checkpoint (the same weights as the consolidated one)
+    sharded = ["--finetune-from-model", root / "base" / "checkpoint_last.pt", *lora_run[2:]]
+    out["one"] = ok(run_ranks(1, lambda r: args(root / "one", *sharded, "--update-freq", 6,
                                                  "--no-save")))
     restore = ["--restore-file", root / "two" / "checkpoint_1_2.pt", *LORA,
                "--max-update", UPDATES, "--no-save"]
@@ -296,6 +301,181 @@ def test_peft_loads_the_adapter_directory_and_agrees_with_fairseq(runs, tmp_path
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["lora_modules"] == 32 and result["lora_B_abs_sum"] > 0, result
     assert_logits_close(ours, copy.deepcopy(ours).double(), request, result)
+
+
+# --- the merge, checked weight by weight ------------------------------------------------------
+
+def merged_reference(tensors: dict, scaling: float) -> dict:
+    """Every adapted weight's W + scaling x B A in float64, with the product summed term by term
+    over the rank here (not lora.merged's matmul), and an upper bound of the error of that sum
+    and of lora.merged's: each is a sum of rank + 1 terms, so within (rank + 1) x U64 of the
+    sum of their magnitudes (|W| + scaling x |B| |A|)."""
+    out = {}
+    for key in tensors:
+        if not key.endswith(".lora_A"):
+            continue
+        base = key[:-len(".lora_A")]
+        w = tensors[f"{base}.weight"].double()
+        a, b = tensors[key].double(), tensors[f"{base}.lora_B"].double()
+        product = (b.unsqueeze(2) * a.unsqueeze(0)).sum(1)  # out x rank x in, over the rank
+        size = w.abs() + scaling * (b.abs().unsqueeze(2) * a.abs().unsqueeze(0)).sum(1)
+        out[f"{base}.weight"] = (w + scaling * product, (a.shape[0] + 1) * 2.0 ** -53 * size)
+    return out
+
+
+def assert_merged(weights: dict, tensors: dict, scaling: float) -> int:
+    """``weights`` (an export, float32) holds every adapted weight as W + scaling x B A of the
+    checkpoint's ``tensors``, rounded once to float32: within U32 x |exact| of the exact value
+    (round to nearest), which the float64 reference and lora.merged's float64 value each
+    approach within their bound. Every other floating tensor: the checkpoint's, widened
+    exactly. Returns how many weights were adapted."""
+    reference = merged_reference(tensors, scaling)
+    assert reference
+    for key, value in tensors.items():
+        if lora.is_adapter(key) or not value.is_floating_point():
+            continue
+        got = weights[key]
+        assert got.dtype == torch.float32, (key, got.dtype)
+        if key not in reference:
+            assert torch.equal(got, value.float()), key
+            continue
+        want, error = reference[key]
+        worst = ((got.double() - want).abs() - (U32 * (want.abs() + error) + 2 * error)).max()
+        assert worst <= 0, (key, worst.item())
+    return len(reference)
+
+
+def test_every_adapted_weight_of_the_merged_export_is_w_plus_scaled_ba(runs):
+    """The 2-rank fp32 run's export: all 32 adapted weights, each against the float64 sum of
+    the checkpoint's own W, A and B (finding 8: a merge that skips or mis-scales one adapter
+    moves the logits by less than their tolerance)."""
+    path = runs["root"] / "two" / "checkpoint_last.pt"
+    tensors = lora_tensors(str(path), torch.load(path, weights_only=True))
+    export = torch.load(runs["root"] / "two" / "checkpoint_last_consolidated.pt",
+                        weights_only=True)["model"]
+    assert not [k for k in export if lora.is_adapter(k)]
+    assert assert_merged(export, tensors, SCALING) == 32
+    moved = [k for k, (want, _) in merged_reference(tensors, SCALING).items()
+             if not torch.equal(want, tensors[k].double())]
+    assert len(moved) == 32  # every adapter trained: a skipped merge shows
+
+
+def test_the_bf16_export_merges_the_model_and_its_ema_each_from_its_own_tensors(runs):
+    """--bf16 --store-ema: the frozen base stored in bf16, the adapters in fp32. The export's
+    model and EMA (extra_state["ema"]) each hold W + scaling x B A of their own tensors (the
+    EMA's from its own shards), computed from the bf16 W widened (exact), not in bf16 (finding
+    7: a merge in bf16, or the model's tensors merged as the EMA, pass a dtype check)."""
+    from fairseq_fsdp2.checkpoint.export import EMA_KEY, full_tensors
+    path = runs["root"] / "bf16" / "checkpoint_last.pt"
+    state = torch.load(path, weights_only=True)
+    model = lora_tensors(str(path), state)
+    ema = full_tensors(str(path), state, EMA_KEY)
+    assert any(v.dtype == torch.bfloat16 for v in model.values())
+    export = torch.load(runs["root"] / "bf16" / "checkpoint_last_consolidated.pt",
+                        weights_only=True)
+    assert assert_merged(export["model"], model, SCALING) == 32
+    assert assert_merged(export["extra_state"][EMA_KEY], ema, SCALING) == 32
+    # the EMA (decay 0.5 over 2 updates) is not the model: every adapter and layer norm differs
+    trained = [k for k in model if lora.is_adapter(k) or "layer_norm" in k]
+    assert len(trained) == 64 + 24  # 12 layer norms' weights and biases
+    assert all(not torch.equal(ema[k].float(), model[k].float()) for k in trained)
+
+
+def test_consolidate_hf_of_a_lora_checkpoint_exports_the_merged_model(runs, tmp_path):
+    """docs/lora.md: ``consolidate CHECKPOINT OUT --format hf`` of a LoRA checkpoint writes
+    the merged model as a Hugging Face directory: every tensor read back by the plugin's own
+    reader (fairseq names) is the merged weight, against the float64 reference."""
+    from fairseq_fsdp2.consolidate import main as consolidate_main
+    from fairseq_fsdp2.hf.nllb_weights import HFWeights
+    path = runs["root"] / "two" / "checkpoint_last.pt"
+    out = tmp_path / "hf"
+    assert consolidate_main([str(path), str(out), "--format", "hf"]) == 0
+    weights = HFWeights(str(out))
+    tensors = lora_tensors(str(path), torch.load(path, weights_only=True))
+    assert set(weights) == {k for k in tensors if not lora.is_adapter(k)}
+    assert assert_merged(weights, tensors, SCALING) == 32
+
+
+def test_peft_export_of_a_run_with_lora_train_params_stops_with_one_line(runs, tmp_path,
+                                                                          capfd):
+    """docs/lora.md: a checkpoint that trained parameters in full (the --bf16 run's layer
+    norms) has no PEFT LoRA form: refused with one line, exit 2, nothing written."""
+    from fairseq_fsdp2.consolidate import main as consolidate_main
+    out = tmp_path / "adapter"
+    code = consolidate_main([str(runs["root"] / "bf16" / "checkpoint_last.pt"), str(out),
+                             "--format", "peft"])
+    lines = capfd.readouterr().err.splitlines()
+    assert code == 2 and not out.exists(), (code, lines)
+    assert len(lines) == 1 and lines[0].startswith(
+        "fairseq_fsdp2: error: the checkpoint trained ") and \
+        "layer_norm" in lines[0] and "(--lora-train-params)" in lines[0], lines
+
+
+# --- runs that start from these runs' checkpoints ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def starts(runs):
+    """Three 1-rank runs of 1 update, at once: a full fine-tune from the base whose attention
+    takes fairseq's Python path (tests/probes/python_attention.py), as the LoRA run ``one``'s
+    does, with the same batches (update-freq 6); and from the 2-rank LoRA run's last
+    checkpoint (--finetune-from-model), with lr 0 (the weights stay as loaded): a full
+    fine-tune, and LoRA of another rank (2, alpha 2)."""
+    root, args = runs["root"], runs["args"]
+    lora_ckpt = runs["root"] / "two" / "checkpoint_last.pt"
+    procs = {
+        "base": start_ranks(1, lambda r: args(
+            root / "full_first", "--finetune-from-model", runs["base"], "--max-update", 1,
+            "--update-freq", 6, "--no-save"), module="python_attention",
+            env={"PYTHONPATH": str(REPO / "tests" / "probes")}),
+        "full": start_ranks(1, lambda r: args(
+            root / "full_from_lora", "--finetune-from-model", lora_ckpt, "--max-update", 1,
+            "--lr", 0)),
+        "lora": start_ranks(1, lambda r: args(
+            root / "lora_from_lora", "--finetune-from-model", lora_ckpt, "--lora-rank", 2,
+            "--lora-alpha", 2, "--max-update", 1, "--lr", 0)),
+    }
+    return {name: ok(finish_ranks(p, timeout=240)) for name, p in procs.items()}
+
+
+def test_a_lora_runs_first_loss_is_the_base_models(runs, starts):
+    """The adapters start with B = 0, so the LoRA run's first forward is the base model's: each
+    adapted linear module adds exactly zero (0 x finite, summed, scaled, added: x + 0 = x) to
+    the same float32 F.linear as nn.Linear, and the attention runs the same Python path in
+    both runs (the probe), on the same batches (the same seed, data and update-freq 6 on 1
+    rank, no dropout), from the same weights (the LoRA run from the sharded checkpoint, the
+    full one from its consolidated copy). The same float32 operations on the same values give
+    the same bits: the same printed loss and nll_loss, exactly."""
+    lora_first, base_first = per_update(runs["one"], ("loss", "nll_loss"))[1], \
+        per_update(starts["base"], ("loss", "nll_loss"))[1]
+    assert "LoRA" not in starts["base"] and "LoRA rank 4" in runs["one"]
+    assert lora_first == base_first, (lora_first, base_first)
+
+
+def test_finetune_from_a_lora_checkpoint_starts_from_its_merged_weights(runs, starts):
+    """docs/lora.md: --finetune-from-model of a LoRA checkpoint takes its weights with the
+    adapters merged: into a full fine-tune (lr 0: its export is the weights as loaded), and
+    into a LoRA run of another rank, whose frozen base is the merged model and whose adapters
+    start afresh (rank 2, B = 0, A from the seed; lr 0 keeps them)."""
+    root = runs["root"]
+    merged = torch.load(root / "two" / "checkpoint_last_consolidated.pt",
+                        weights_only=True)["model"]
+    full = torch.load(root / "full_from_lora" / "checkpoint_last_consolidated.pt",
+                      weights_only=True)["model"]
+    assert set(full) == set(merged)
+    assert all(torch.equal(full[k], merged[k]) for k in merged)
+    assert "LoRA rank 2: 32 linear modules adapted, 4,608 adapter parameters" in starts["lora"]
+    path = root / "lora_from_lora" / "checkpoint_last.pt"
+    state = torch.load(path, weights_only=True)
+    assert state["fsdp2"]["lora"]["rank"] == 2
+    tensors = lora_tensors(str(path), state)
+    model, _, _ = load_stock(runs["base"])
+    lora.adapt(model, 2, 1.0, 0.0, ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"])
+    start = lora.initial_adapters(model, 1)
+    assert set(tensors) == set(merged) | set(start)
+    for key, value in merged.items():
+        assert torch.equal(tensors[key], value), key
+    for key, value in start.items():
+        assert torch.equal(tensors[key], value), key
 
 
 def test_the_estimator_counts_a_frozen_16_bit_base_and_the_adapters_state():

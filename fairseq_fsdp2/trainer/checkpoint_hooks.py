@@ -201,7 +201,12 @@ class TrainerCheckpoints:
                 self._load_pretrained(filename)
                 return self._reset_extra_state(kept)
             saved_lora = (info or {}).get("lora")
-            if (lora.spec_of(self.model) is not None) != (saved_lora is not None):
+            # --finetune-from-model of a LoRA checkpoint into a LoRA run: its weights merged,
+            # new adapters from their start (of any rank and modules), as from any other model
+            lora_from_lora = lora.spec_of(self.model) is not None and saved_lora is not None \
+                and self._finetunes_from(filename, reset_optimizer)
+            if (lora.spec_of(self.model) is not None) != (saved_lora is not None) or \
+                    lora_from_lora:
                 if reset_optimizer and reset_lr_scheduler and reset_meters:
                     # fine-tuning across LoRA and full training: the weights (a LoRA
                     # checkpoint's merged), adapters from their start
@@ -280,6 +285,9 @@ class TrainerCheckpoints:
         time; every rank keeps only its shards, so no rank but 0 ever holds the full model.
         Training starts fresh (the optimizer, lr scheduler, meters and data loader are reset,
         as fairseq does)."""
+        # a LoRA run's frozen base is these weights: written anew to this save dir, even
+        # where the source is a LoRA checkpoint of this save dir (whose base is unmerged)
+        self._lora_base = self._lora_base_dir = None
         self._memory.reset()
         before = current_gb(self.device)
         full, problem = None, None
@@ -306,7 +314,10 @@ class TrainerCheckpoints:
     def _pretrained_weights(self, filename):
         """Rank 0: the full model's tensors by fairseq name, memory-mapped; the shared
         embedding grown when the dictionary has more entries (grow_embedding.py)."""
-        shapes = sharded.model_shapes(self.model)
+        # the adapters start from their own initial values (broadcast_full_model skips
+        # them): no source holds them, a LoRA checkpoint's come merged
+        shapes = {k: v for k, v in sharded.model_shapes(self.model).items()
+                  if not lora.is_adapter(k)}
         symbols = self.task.source_dictionary.symbols
         known = None  # the checkpoint's own dictionary, looked for if the embedding grows
         if hf_nllb.is_hf_source(filename):  # its tokenizer's rows checked here
@@ -329,9 +340,7 @@ class TrainerCheckpoints:
     def _grows_embedding(self, filename, saved, reset_optimizer) -> bool:
         """--finetune-from-model of a fairseq checkpoint with fewer embedding rows than the
         dictionary has entries (more rows: refused, one line)."""
-        source = self.cfg.checkpoint.finetune_from_model
-        if not (reset_optimizer and source and
-                os.path.abspath(source) == os.path.abspath(filename) and
+        if not (self._finetunes_from(filename, reset_optimizer) and
                 getattr(self.cfg.model, "share_all_embeddings", False)):
             return False
         shapes = sharded.model_shapes(self.model)
@@ -339,6 +348,12 @@ class TrainerCheckpoints:
         if rows is not None and rows[0] > rows[1]:
             raise CheckpointError(smaller_dictionary(rows[1], rows[0], filename))
         return rows is not None
+
+    def _finetunes_from(self, filename, reset_optimizer) -> bool:
+        """``filename`` is the --finetune-from-model source, being loaded as such."""
+        source = self.cfg.checkpoint.finetune_from_model
+        return bool(reset_optimizer and source and
+                    os.path.abspath(source) == os.path.abspath(filename))
 
     def resolve_shards_before_the_models_own_load(self, model) -> None:
         """A model class's own ``load_state_dict`` may read the keys before nn.Module's (and

@@ -29,15 +29,16 @@ DEFAULT_FILTERS = {"PYTHONWARNINGS": ""}
 
 @pytest.fixture(scope="module")
 def run_output(corpus, tmp_path_factory) -> str:
-    """One process, FSDP2, a unit per layer, the chunked loss (the shared-embedding unit's
-    outputs too), root resharded: every unit kind whose outputs FSDP2 warns about."""
+    """Two ranks, FSDP2, a unit per layer, the chunked loss (the shared-embedding unit's
+    outputs too), root resharded: every unit kind whose outputs FSDP2 warns about, and the
+    collectives only several ranks run (the tied embedding's early reduce)."""
     from conftest import train_args_for
     save = tmp_path_factory.mktemp("quiet") / "ckpt"
     args = train_args_for(corpus, save, "--ddp-backend", "fsdp2", "--min-params-to-wrap", "1",
                           "--fsdp2-root-reshard", "always", "--loss-chunk-tokens", "64",
                           save=True, updates=2)
     args[args.index("label_smoothed_cross_entropy")] = "label_smoothed_cross_entropy_chunked"
-    output = ok(run_ranks(1, lambda rank: args, fresh_interpreter=True, env=DEFAULT_FILTERS))
+    output = ok(run_ranks(2, lambda rank: args, fresh_interpreter=True, env=DEFAULT_FILTERS))
     assert len(train_inner(output)) == 2, output[-3000:]
     return output
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -136,6 +137,24 @@ def other_rounding_draws() -> dict:
     numerics.assert_within_noise."""
     return {"module": "other_rounding_draws",
             "env": {"PYTHONPATH": str(REPO / "tests" / "probes")}}
+
+
+#: run_ranks' keywords for a fairseq-train run that prints, at every optimizer step on every
+#: rank, its gradients' kinds and the dtypes they were reduced in (tests/probes/step_dtypes.py)
+STEP_DTYPES = {"module": "step_dtypes", "env": {"PYTHONPATH": str(REPO / "tests" / "probes")}}
+
+
+def steps_seen(results) -> list[list[dict]]:
+    """Per rank (run_ranks' results through STEP_DTYPES), each optimizer step's record:
+    {"grads": {"DTensor torch.bfloat16": count, ...}, "reduced": {"torch.bfloat16": count}}."""
+    prefix = "step dtypes: "
+    seen = []
+    for r in results:
+        steps = [json.loads(line.split(prefix, 1)[1]) for line in r.output.splitlines()
+                 if line.startswith(prefix)]
+        assert all(s.pop("rank") == r.rank for s in steps), r.output[-2000:]
+        seen.append(steps)
+    return seen
 
 
 def stock_ddp(rank: int, world: int) -> list[str]:

@@ -144,17 +144,19 @@ def other_rounding_draws() -> dict:
 STEP_DTYPES = {"module": "step_dtypes", "env": {"PYTHONPATH": str(REPO / "tests" / "probes")}}
 
 
-def steps_seen(results) -> list[list[dict]]:
-    """Per rank (run_ranks' results through STEP_DTYPES), each optimizer step's record:
+def steps_in(output: str, rank: int = 0) -> list[dict]:
+    """Each optimizer step's record in one rank's output (a run through STEP_DTYPES):
     {"grads": {"DTensor torch.bfloat16": count, ...}, "reduced": {"torch.bfloat16": count}}."""
     prefix = "step dtypes: "
-    seen = []
-    for r in results:
-        steps = [json.loads(line.split(prefix, 1)[1]) for line in r.output.splitlines()
-                 if line.startswith(prefix)]
-        assert all(s.pop("rank") == r.rank for s in steps), r.output[-2000:]
-        seen.append(steps)
-    return seen
+    steps = [json.loads(line.split(prefix, 1)[1]) for line in output.splitlines()
+             if line.startswith(prefix)]
+    assert all(s.pop("rank") == rank for s in steps), output[-2000:]
+    return steps
+
+
+def steps_seen(results) -> list[list[dict]]:
+    """steps_in, per rank of run_ranks' results."""
+    return [steps_in(r.output, r.rank) for r in results]
 
 
 def stock_ddp(rank: int, world: int) -> list[str]:

@@ -194,3 +194,65 @@ def assert_8_bit_steps_within_bound(device: torch.device, shapes: dict,
         m8 = dequantize(state["exp_avg"], state[ABSMAX_KEYS["exp_avg"]], True)
         m32 = ref_opt.state[ref[k]]["exp_avg"]
         assert 0 < (m8 - m32).abs().max() < 0.05 * m32.abs().max(), k
+
+
+def assert_bf16_second_moment_decays(device: torch.device) -> None:
+    """tests/test_adam_stats.py's decay test (its docstring derives eps) on ``device``: 50 steps
+    of gradients +-1 then 250 of zero over 4096 elements; the mean of the bf16 second moment
+    within eps of the exact decay, which bf16 rounded to nearest (the control) misses."""
+    n, up, down = 4096, 50, 250
+    ours = torch.nn.Parameter(torch.zeros(n, device=device))
+    opt = plugin_adam([ours], "bf16")
+    nearest = torch.zeros(n, dtype=torch.bfloat16)  # v stored rounded to nearest
+    exact = 0.0  # every element's v in exact arithmetic (g^2 = 1, then 0)
+    generator = torch.Generator().manual_seed(0)
+    for t in range(up + down):
+        g = torch.randint(0, 2, (n,), generator=generator).float() * 2 - 1 if t < up else \
+            torch.zeros(n)
+        ours.grad = g.to(device)
+        opt.step()
+        exact = BETAS[1] * exact + (1 - BETAS[1]) * (1.0 if t < up else 0.0)
+        nearest = (BETAS[1] * nearest.float() + (1 - BETAS[1]) * g * g).bfloat16()
+    v = opt.state[ours]["exp_avg_sq"]
+    assert v.dtype == torch.bfloat16 and v.device == device
+    eps = 0.05 + (up + down) * 4 * U32
+    assert abs(v.float().mean().item() / exact - 1) <= eps
+    # the rounding-to-nearest control is far outside: the test tells the two apart
+    assert nearest.float().mean().item() / exact - 1 > math.pow(BETAS[1], -down) - 1 - eps
+
+
+def assert_8_bit_second_moment_decays(device: torch.device) -> None:
+    """tests/test_adam_stats_8bit.py's decay test (its docstring derives eps) on ``device``:
+    a 32 x 4096 parameter whose blocks' first elements get gradient 1 at every step, the others
+    +-1 for 50 steps and then 0 for 250; the mean of the decaying elements' 8-bit v within eps
+    of float32's, which v rounded to nearest in the same blocks (the control) misses."""
+    rows, cols, up, down = 32, 4096, 50, 250
+    p, ref = (torch.nn.Parameter(torch.zeros(rows, cols, device=device)) for _ in range(2))
+    opt, ref_opt = plugin_adam([p], "8bit"), plugin_adam([ref])
+    qmap = dynamic_map(False)
+    midpoints = (qmap[1:] + qmap[:-1]) / 2
+    nearest = torch.zeros(rows, cols)  # v stored rounded to nearest, in the same blocks
+    generator = torch.Generator().manual_seed(0)
+    for t in range(up + down):
+        g = torch.randint(0, 2, (rows, cols), generator=generator).float() * 2 - 1 \
+            if t < up else torch.zeros(rows, cols)
+        g[:, ::BLOCK] = 1.0  # each block's first element: its largest
+        p.grad, ref.grad = g.to(device), g.to(device)
+        opt.step()
+        ref_opt.step()
+        y = (BETAS[1] * nearest + (1 - BETAS[1]) * g * g).view(rows, -1, BLOCK)
+        a = y.amax(-1, keepdim=True)
+        nearest = (qmap[torch.bucketize(y / a, midpoints)] * a).view(rows, cols)
+    state = opt.state[p]
+    assert state["exp_avg_sq"].device == device
+    v = dequantize(state["exp_avg_sq"], state[ABSMAX_KEYS["exp_avg_sq"]], False).cpu()
+    exact = ref_opt.state[ref]["exp_avg_sq"].cpu()
+    decaying = torch.ones(rows, cols, dtype=torch.bool)
+    decaying[:, ::BLOCK] = False
+    want = exact[decaying].mean().item()
+    eps = 5e-4 + (up + down) * 8 * U32
+    print(f"mean v: float32 {want:.6f}, 8-bit {v[decaying].mean().item():.6f}, "
+          f"rounded to nearest {nearest[decaying].mean().item():.6f}")
+    assert abs(v[decaying].mean().item() - want) <= eps
+    # the rounding-to-nearest control is far off: the test tells the two apart
+    assert nearest[decaying].mean().item() - want > 20 * eps

@@ -18,7 +18,9 @@ not asserted (the project's rule: speed goals are benchmarks); the peak is asser
 The values of the CUDA step (eager quantization, the stochastic rounding drawn per kernel
 launch, chunks of CUDA_CHUNK elements) against float32 moments: the element-by-element bounds
 the CPU tests apply (tests/moment_bounds.py, run on the CPU by tests/test_adam_stats_8bit.py
-and tests/test_adam_stats.py), here on the GPU over a weight of more than one step chunk.
+and tests/test_adam_stats.py), here on the GPU over a weight of more than one step chunk; and
+the second moment's decay, which a biased rounding fails though every store stays within its
+bound.
 """
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ from fairseq.optim.adam import FairseqAdamConfig
 from omegaconf import OmegaConf
 
 from conftest import PLUGIN
-from moment_bounds import assert_8_bit_steps_within_bound, assert_16_bit_moments_within_bound
+from moment_bounds import (assert_8_bit_second_moment_decays, assert_8_bit_steps_within_bound,
+                           assert_16_bit_moments_within_bound, assert_bf16_second_moment_decays)
 from numerics import BF16_MOMENT, FP16_MOMENT
 from test_cuda import GIB, NLLB_VOCAB, record_row
 
@@ -151,3 +154,10 @@ def test_eight_bit_step_on_cuda_stays_within_its_quantization_of_float32_moments
 def test_16_bit_moments_on_cuda_stay_within_their_rounding_of_float32_moments(stats):
     assert_16_bit_moments_within_bound(torch.device("cuda", 0), stats, PRODUCTION,
                                        FP16_MOMENT if stats == "fp16" else BF16_MOMENT)
+
+
+def test_8_bit_and_bf16_second_moments_on_cuda_decay_as_in_float32():
+    """The CUDA path's stochastic rounding is unbiased (a bias stays within the bounds above):
+    the CPU tests' decay, on the GPU."""
+    assert_8_bit_second_moment_decays(torch.device("cuda", 0))
+    assert_bf16_second_moment_decays(torch.device("cuda", 0))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -136,6 +137,26 @@ def other_rounding_draws() -> dict:
     numerics.assert_within_noise."""
     return {"module": "other_rounding_draws",
             "env": {"PYTHONPATH": str(REPO / "tests" / "probes")}}
+
+
+#: run_ranks' keywords for a fairseq-train run that prints, at every optimizer step on every
+#: rank, its gradients' kinds and the dtypes they were reduced in (tests/probes/step_dtypes.py)
+STEP_DTYPES = {"module": "step_dtypes", "env": {"PYTHONPATH": str(REPO / "tests" / "probes")}}
+
+
+def steps_in(output: str, rank: int = 0) -> list[dict]:
+    """Each optimizer step's record in one rank's output (a run through STEP_DTYPES):
+    {"grads": {"DTensor torch.bfloat16": count, ...}, "reduced": {"torch.bfloat16": count}}."""
+    prefix = "step dtypes: "
+    steps = [json.loads(line.split(prefix, 1)[1]) for line in output.splitlines()
+             if line.startswith(prefix)]
+    assert all(s.pop("rank") == rank for s in steps), output[-2000:]
+    return steps
+
+
+def steps_seen(results) -> list[list[dict]]:
+    """steps_in, per rank of run_ranks' results."""
+    return [steps_in(r.output, r.rank) for r in results]
 
 
 def stock_ddp(rank: int, world: int) -> list[str]:

@@ -10,79 +10,31 @@ saved at 2 ranks, loaded at 3 (tests/probes/adam_stats_probe.py).
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
-from fairseq.optim.adam import FairseqAdamConfig
-from omegaconf import OmegaConf
 
 from conftest import REPO
 from launcher import ok, run_ranks
+from moment_bounds import (BETAS, assert_16_bit_moments_within_bound,
+                           assert_bf16_second_moment_decays, effective, plugin_adam)
 from numerics import BF16_MOMENT, EIGHT_BIT_SIGNED_GAP, FP16_MOMENT, U32
 
-from fairseq_fsdp2.optimizer.adam_stats import SCALE_KEYS
-from fairseq_fsdp2.optimizer.build import build_optimizer
-
-BETAS = (0.9, 0.999)
 PROBES = str(REPO / "tests" / "probes")
 
 
 def adam(params, stats: str, lr: float = 1e-3):
-    cfg = OmegaConf.create({
-        "common": {"fp16": False, "seed": 1}, "optimization": {"update_freq": [1]},
-        "distributed_training": {"bf16_adam_stats": stats == "bf16"},
-        "optimizer": OmegaConf.structured(FairseqAdamConfig(
-            _name="adam", lr=[lr], adam_betas=BETAS, tpu=False,
-            fp16_adam_stats=stats == "fp16"))})
-    return build_optimizer(cfg, params).optimizer
-
-
-def effective(state: dict, key: str) -> torch.Tensor:
-    scale = state.get(SCALE_KEYS[key])
-    value = state[key].float()
-    return value * scale if scale is not None else value
+    return plugin_adam(params, stats, lr, BETAS)
 
 
 @pytest.mark.parametrize("stats", ["fp16", "bf16"])
 def test_16_bit_moments_stay_within_their_rounding_of_float32_moments(stats):
     """30 steps of gradients whose magnitudes span 1e-3..1 (moments over 6 decades), every
-    element of both moments after every step within the bound below, computed from the values
-    (a rigorous bound, not a tolerance: any slip in the scale or the rounding exceeds it)."""
-    torch.manual_seed(0)
-    grads = [torch.randn(64, 16) * torch.logspace(-3, 0, 16) for _ in range(30)]
-    ours, ref = torch.nn.Parameter(torch.zeros(64, 16)), torch.nn.Parameter(torch.zeros(64, 16))
-    opt, ref_opt = adam([ours], stats), adam([ref], "fp32")
-    store = FP16_MOMENT if stats == "fp16" else BF16_MOMENT
-    dtype = torch.float16 if stats == "fp16" else torch.bfloat16
-    bound = {"exp_avg": torch.zeros(64, 16), "exp_avg_sq": torch.zeros(64, 16)}
-    before = {"exp_avg": (torch.zeros(64, 16),) * 2, "exp_avg_sq": (torch.zeros(64, 16),) * 2}
-    for g in grads:
-        ours.grad, ref.grad = g.clone(), g.clone()
-        opt.step()
-        ref_opt.step()
-        state, ref_state = opt.state[ours], ref_opt.state[ref]
-        for key, beta, term in (("exp_avg", BETAS[0], g.abs()),
-                                ("exp_avg_sq", BETAS[1], g.square())):
-            assert state[key].dtype == dtype
-            assert (SCALE_KEYS[key] in state) == (stats == "fp16")
-            got, want = effective(state, key), ref_state[key]
-            # both runs compute beta x m + (1 - beta) x term in float32 (at most 4 roundings
-            # of these magnitudes), from stored values that differ by the previous bound
-            mine, theirs = before[key]
-            pre = beta * bound[key] + 4 * U32 * (beta * (mine.abs() + theirs.abs())
-                                                 + 2 * (1 - beta) * term)
-            # then ours is stored: relative `store`, and fp16's underflow (a scaled value
-            # below 2^-24 rounds to a multiple of 2^-24: half of it, times the scale)
-            floor = float(state[SCALE_KEYS[key]]) * 2.0 ** -25 * (1 + 4 * U32) \
-                if stats == "fp16" else 0.0
-            bound[key] = pre + store * (want.abs() + pre) + floor
-            excess = ((got - want).abs() - bound[key]).max().item()
-            assert excess <= 0, f"{key}: {excess} beyond the bound"
-            before[key] = (got, want)
-    # the bound is not vacuous: the 16-bit moments do differ, by far less than themselves
-    m, m32 = effective(opt.state[ours], "exp_avg"), ref_opt.state[ref]["exp_avg"]
-    assert 0 < (m - m32).abs().max() < 0.05 * m32.abs().max()
+    element of both moments after every step within a bound computed from the values
+    (moment_bounds.py: a rigorous bound, not a tolerance: any slip in the scale or the rounding
+    exceeds it; tests/test_cuda_step.py runs the same comparison on a GPU)."""
+    assert_16_bit_moments_within_bound(torch.device("cpu"), stats, {"w": (64, 16)},
+                                       FP16_MOMENT if stats == "fp16" else BF16_MOMENT)
 
 
 def test_fp16_scale_is_fairseqs():
@@ -112,25 +64,9 @@ def test_bf16_second_moment_decays_as_in_float32():
     sum of N x T such independent increments of at most 2^-6 / N: by Azuma-Hoeffding it exceeds
     eps with probability at most 2 exp(-eps^2 N / (2 T 2^-12)): for eps = 0.05, N = 4096,
     T = 300, 2 x e^-70 (the seed is fixed: deterministic all the same). The float32 arithmetic
-    of each step: below 300 x 4 x U32 = 7e-5."""
-    n, up, down = 4096, 50, 250
-    ours = torch.nn.Parameter(torch.zeros(n))
-    opt = adam([ours], "bf16")
-    nearest = torch.zeros(n, dtype=torch.bfloat16)  # v stored rounded to nearest
-    exact = 0.0  # every element's v in exact arithmetic (g^2 = 1, then 0)
-    torch.manual_seed(0)
-    for t in range(up + down):
-        g = torch.randint(0, 2, (n,)).float() * 2 - 1 if t < up else torch.zeros(n)
-        ours.grad = g
-        opt.step()
-        exact = BETAS[1] * exact + (1 - BETAS[1]) * (1.0 if t < up else 0.0)
-        nearest = (BETAS[1] * nearest.float() + (1 - BETAS[1]) * g * g).bfloat16()
-    v = opt.state[ours]["exp_avg_sq"]
-    assert v.dtype == torch.bfloat16
-    eps = 0.05 + (up + down) * 4 * U32
-    assert abs(v.float().mean().item() / exact - 1) <= eps
-    # the rounding-to-nearest control is far outside: the test tells the two apart
-    assert nearest.float().mean().item() / exact - 1 > math.pow(BETAS[1], -down) - 1 - eps
+    of each step: below 300 x 4 x U32 = 7e-5. tests/test_cuda_step.py runs the same on a GPU
+    (another generator: the argument holds for any whose draws are uniform and independent)."""
+    assert_bf16_second_moment_decays(torch.device("cpu"))  # moment_bounds.py
 
 
 @pytest.fixture(scope="module")

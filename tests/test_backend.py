@@ -4,7 +4,8 @@ import json
 import pytest
 import torch
 
-from conftest import PLUGIN, REPO, other_rounding_draws, stock_ddp, train_args_for
+from conftest import (PLUGIN, REPO, STEP_DTYPES, other_rounding_draws, steps_in, steps_seen,
+                      stock_ddp, train_args_for)
 from launcher import (FORKED_WORKER, free_port, ok, run_command, run_ranks, said_twice,
                       start_torchrun, train_inner)
 from numerics import (FP16_MOMENT, FP32_REORDERED, U16, U32, U_BF16, assert_runs_close,
@@ -31,8 +32,10 @@ def runs(corpus, tmp_path_factory):
         if key not in done:
             save_dir = tmp_path_factory.mktemp("run")
             # other_draws: the moments' stochastic rounding draws other numbers
-            # (tests/probes/other_rounding_draws.py)
-            probe = other_rounding_draws() if other_draws else {}
+            # (tests/probes/other_rounding_draws.py); the plugin's other runs report their
+            # steps' gradient and reduction dtypes (tests/probes/step_dtypes.py: values
+            # unchanged)
+            probe = other_rounding_draws() if other_draws else {} if stock else STEP_DTYPES
             # stock: fairseq alone, no --user-dir (conftest.train_args_for)
             done[key] = ok(run_ranks(2, lambda r: train_args_for(
                 corpus, save_dir, *(stock_ddp(r, 2) if stock else FSDP2), *flags,
@@ -152,8 +155,17 @@ def test_four_ranks_reshard_degree_hsdp_and_fused_loss_match_the_stock_path(trai
 
 
 def test_fp16_overflow_skips_on_every_rank_and_trains(train_args):
-    out = ok(run_ranks(2, lambda r: train_args(*FSDP2, "--fp16", "--fp16-init-scale",
-                                               str(2 ** 26), updates=12)))
+    """Also: without --fsdp2-reduce-dtype the gradients are reduced in fp32 (mixed_precision.py;
+    stock fairseq's --fp16 reduces in fp16, here that takes --fsdp2-reduce-dtype fp16): every
+    reduce-scatter input, and every gradient the steps take, on both ranks, is fp32
+    (tests/probes/step_dtypes.py)."""
+    results = run_ranks(2, lambda r: train_args(*FSDP2, "--fp16", "--fp16-init-scale",
+                                                str(2 ** 26), updates=12), **STEP_DTYPES)
+    out = ok(results)
+    steps = [s for rank in steps_seen(results) for s in rank]
+    assert len(steps) == 2 * 12, steps  # every rank's steps (skipped updates take none)
+    assert {dtype for s in steps for dtype in s["reduced"]} == {"torch.float32"}, steps
+    assert {kind for s in steps for kind in s["grads"]} == {"DTensor torch.float32"}, steps
     assert out.count("gradient overflow detected") >= 3  # scale halves until it fits
     records = train_inner(out)
     assert len(records) == 12  # skipped steps are not counted, as in fairseq
@@ -367,8 +379,20 @@ def test_bf16_reduction_within_its_rounding_of_fp32_reduction(runs):
     relative over these updates (numerics.FP32_REORDERED's argument):
     rel = U_BF16 + U32 + FP32_REORDERED."""
     ours = runs(*ADAM, "--bf16", "--fsdp2-reduce-dtype", "bf16", updates=20)
-    assert_runs_close(ours, runs(*ADAM, "--bf16", updates=20),
-                      U_BF16 + U32 + FP32_REORDERED, 20)
+    fp32_reduction = runs(*ADAM, "--bf16", updates=20)
+    assert_runs_close(ours, fp32_reduction, U_BF16 + U32 + FP32_REORDERED, 20)
+    # and each reduced as asked: the reduce-scatter inputs of every step (rank 0's). The
+    # printed values cannot tell (measured: the same at updates 1-3, a unit of the last
+    # printed digit apart at update 20). Without --fsdp2-reduce-dtype, --bf16 reduces in fp32.
+    assert reduced(ours) == {"torch.bfloat16"} and reduced(fp32_reduction) == {"torch.float32"}
+
+
+def reduced(output: str) -> set:
+    """The dtypes of a run's reduce-scatter inputs (rank 0's, through
+    tests/probes/step_dtypes.py), of its 20 steps."""
+    steps = steps_in(output)
+    assert len(steps) == 20, output[-2000:]
+    return {dtype for s in steps for dtype in s["reduced"]}
 
 
 def fp16_adam_stats_tolerance(update: int, first_loss: float, loss: float) -> dict:

@@ -14,10 +14,18 @@ allocator peak above what it started with against the estimator's prediction of 
 temporaries (estimator/ledger.py ``step_temporary_bytes``). Timing is measured and reported,
 not asserted (the project's rule: speed goals are benchmarks); the peak is asserted within
 10% (the estimator rows' bound in tests/test_cuda.py).
+
+The values of the CUDA step (eager quantization, the stochastic rounding drawn per kernel
+launch, chunks of CUDA_CHUNK elements) against float32 moments: the element-by-element bounds
+the CPU tests apply (tests/moment_bounds.py, run on the CPU by tests/test_adam_stats_8bit.py
+and tests/test_adam_stats.py), here on the GPU over a weight of more than one step chunk; and
+the second moment's decay, which a biased rounding fails though every store stays within its
+bound.
 """
 from __future__ import annotations
 
 import gc
+import math
 import statistics
 import time
 
@@ -27,12 +35,16 @@ from fairseq.optim.adam import FairseqAdamConfig
 from omegaconf import OmegaConf
 
 from conftest import PLUGIN
+from moment_bounds import (assert_8_bit_second_moment_decays, assert_8_bit_steps_within_bound,
+                           assert_16_bit_moments_within_bound, assert_bf16_second_moment_decays)
+from numerics import BF16_MOMENT, FP16_MOMENT
 from test_cuda import GIB, NLLB_VOCAB, record_row
 
 from fairseq_fsdp2.estimator.from_args import build_meta_model, parse, setup_for
 from fairseq_fsdp2.estimator.ledger import step_temporary_bytes
 from fairseq_fsdp2.optimizer.blockwise_8bit import quantizable
 from fairseq_fsdp2.optimizer.build import build_optimizer
+from fairseq_fsdp2.optimizer.row_chunk_step import STEP_CHUNK
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(),
@@ -124,3 +136,28 @@ def test_eight_bit_step_at_nllb_3_3b_dimensions_timed_against_float32_moments_pe
     record_row("step", row)
     print(row)
     assert abs(predicted - measured["peak_bytes"]) <= 0.10 * measured["peak_bytes"], row
+
+
+#: a weight of two step chunks (row_chunk_step.STEP_CHUNK elements; the 8-bit quantization's
+#: CUDA_CHUNK is as large): rows of 1030, 4 blocks of 256 and one of 6, the chunk boundary at
+#: row 4064 (a multiple of 32 rows, not of a block); a 3-D one, and float32-moment ones
+PRODUCTION = {"weight": (4100, 1030), "three_d": (6, 8, 1000), "small": (8, 16),
+              "bias": (5000,)}
+
+
+def test_eight_bit_step_on_cuda_stays_within_its_quantization_of_float32_moments():
+    assert math.prod(PRODUCTION["weight"]) > STEP_CHUNK
+    assert_8_bit_steps_within_bound(torch.device("cuda", 0), PRODUCTION)
+
+
+@pytest.mark.parametrize("stats", ["fp16", "bf16"])
+def test_16_bit_moments_on_cuda_stay_within_their_rounding_of_float32_moments(stats):
+    assert_16_bit_moments_within_bound(torch.device("cuda", 0), stats, PRODUCTION,
+                                       FP16_MOMENT if stats == "fp16" else BF16_MOMENT)
+
+
+def test_8_bit_and_bf16_second_moments_on_cuda_decay_as_in_float32():
+    """The CUDA path's stochastic rounding is unbiased (a bias stays within the bounds above):
+    the CPU tests' decay, on the GPU."""
+    assert_8_bit_second_moment_decays(torch.device("cuda", 0))
+    assert_bf16_second_moment_decays(torch.device("cuda", 0))

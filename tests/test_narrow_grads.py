@@ -12,6 +12,11 @@ the norm is taken over the same row chunks of the same float32 values (grad_norm
 Adam steps the same float32 numbers. So the logged loss, gradient norm and loss scale of every
 update agree exactly, overflows and skipped updates included (fp16 with a loss scale of 2^26:
 the fp16 gradients overflow, inf in 16 bits is inf widened).
+
+Equal runs alone would not show that the 16-bit path was taken (a trainer that quietly kept
+fp32 shards would equal the reference too): every run goes through tests/probes/step_dtypes.py,
+which records, on each rank at the start of each optimizer step, the dtype of every gradient
+the step takes and of every reduce-scatter input.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ import json
 import pytest
 import torch
 
-from conftest import REPO, train_args_for
+from conftest import REPO, STEP_DTYPES, steps_seen, train_args_for
 from launcher import ok, run_command, run_ranks
 from numerics import per_update
 
@@ -35,26 +40,48 @@ CASES = {"bf16_8bit": ["--bf16", "--fsdp2-reduce-dtype", "bf16", "--eight-bit-ad
                            str(2 ** 26)]}
 
 
-def train(corpus, save_dir, *flags) -> tuple[str, dict]:
-    """Rank 0's log and the final weights (the checkpoint exported by consolidate)."""
-    out = ok(run_ranks(2, lambda r: train_args_for(corpus, save_dir, *FSDP2, *flags,
-                                                   updates=UPDATES, save=True)))
+def train(corpus, save_dir, *flags) -> tuple[str, dict, list]:
+    """Rank 0's log, the final weights (the checkpoint exported by consolidate) and what each
+    rank's optimizer steps took (conftest.steps_seen)."""
+    results = run_ranks(2, lambda r: train_args_for(corpus, save_dir, *FSDP2, *flags,
+                                                    updates=UPDATES, save=True), **STEP_DTYPES)
+    out = ok(results)
     exported = save_dir / "model.pt"
     proc = run_command("fairseq_fsdp2.consolidate", save_dir / "checkpoint_last.pt", exported)
     assert proc.returncode == 0, proc.output[-2000:]
-    return out, torch.load(exported, weights_only=True)["model"]
+    return out, torch.load(exported, weights_only=True)["model"], steps_seen(results)
+
+
+def assert_steps_took(steps: list, grads: str, reduced: str, count: int) -> None:
+    """On every rank, ``count`` optimizer steps, each taking sharded gradients (DTensors) of
+    dtype ``grads`` only, as many at every step and rank (every parameter's), after
+    reductions in dtype ``reduced`` only."""
+    assert [len(rank) for rank in steps] == [count] * len(steps), steps
+    records = [s for rank in steps for s in rank]
+    assert {tuple(s["grads"]) for s in records} == {(f"DTensor {grads}",)}, records
+    assert len({s["grads"][f"DTensor {grads}"] for s in records}) == 1, records
+    assert {dtype for s in records for dtype in s["reduced"]} == {reduced}, records
+
+
+def reduce_dtype(flags) -> str:
+    """The torch dtype --fsdp2-reduce-dtype names, as the probe prints it."""
+    return {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[
+        flags[flags.index("--fsdp2-reduce-dtype") + 1]]
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_16_bit_gradient_shards_train_bit_identical_to_fp32_shards(case, corpus, tmp_path):
     flags = CASES[case]
-    narrow, weights = train(corpus, tmp_path / "narrow", *flags)
-    wide, wide_weights = train(corpus, tmp_path / "wide", *flags, *WIDE)
-    assert KEPT in narrow and KEPT not in wide  # the two paths under comparison were taken
-    got, want = per_update(narrow, ("loss", "gnorm", "loss_scale") if "--fp16" in flags
-                           else ("loss", "gnorm")), None
-    want = per_update(wide, ("loss", "gnorm", "loss_scale") if "--fp16" in flags
-                      else ("loss", "gnorm"))
+    narrow, weights, narrow_steps = train(corpus, tmp_path / "narrow", *flags)
+    wide, wide_weights, wide_steps = train(corpus, tmp_path / "wide", *flags, *WIDE)
+    # the two paths under comparison were taken: both reduce-scatter in the reduce dtype; the
+    # narrow run's every step takes the 16-bit shards, the reference's the fp32 ones
+    # (overflowed updates take no step: the UPDATES counted ones do)
+    assert_steps_took(narrow_steps, reduce_dtype(flags), reduce_dtype(flags), UPDATES)
+    assert_steps_took(wide_steps, "torch.float32", reduce_dtype(flags), UPDATES)
+    assert KEPT in narrow and KEPT not in wide
+    keys = ("loss", "gnorm", "loss_scale") if "--fp16" in flags else ("loss", "gnorm")
+    got, want = per_update(narrow, keys), per_update(wide, keys)
     assert sorted(want) == list(range(1, UPDATES + 1)), want
     assert got == want
     # the weights after the last update, bit for bit (the printed values are rounded)
@@ -84,7 +111,11 @@ def test_fsdp2_keeps_the_reduce_dtype_gradient_shards():
 
 def test_gradients_accumulated_over_micro_batches_stay_fp32(corpus, tmp_path):
     """--update-freq 2: FSDP2 adds each micro-batch's reduced gradient to the shard, which in
-    16 bits would round every sum; the trainer keeps FSDP2's fp32 shards then (and trains)."""
-    out = ok(run_ranks(2, lambda r: train_args_for(
-        corpus, tmp_path, *FSDP2, *CASES["bf16_8bit"], "--update-freq", "2", updates=2)))
+    16 bits would round every sum; the trainer keeps FSDP2's fp32 shards then (and trains):
+    the steps take fp32 shards, reduced in bf16 (tests/probes/step_dtypes.py)."""
+    flags = CASES["bf16_8bit"]
+    results = run_ranks(2, lambda r: train_args_for(
+        corpus, tmp_path, *FSDP2, *flags, "--update-freq", "2", updates=2), **STEP_DTYPES)
+    out = ok(results)
     assert KEPT not in out and sorted(per_update(out)) == [1, 2]
+    assert_steps_took(steps_seen(results), "torch.float32", reduce_dtype(flags), 2)

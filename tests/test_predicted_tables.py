@@ -8,6 +8,7 @@ Measured tables (docs/benchmarks.md): each section names its command and date, a
 of a benchmark script is still one its argument parser accepts (nothing is run or timed)."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 import shlex
@@ -16,9 +17,10 @@ import pytest
 
 from conftest import REPO
 from fairseq_fsdp2 import estimate as cli
-from fairseq_fsdp2.estimator.doc_tables import (CKPT, NLLB_GPU, RECIPE, REDUCE16, STATS8, STATS16,
-                                                TABLES, documented, documented_cells, names_in,
-                                                render, replaced)
+from fairseq_fsdp2.estimator.doc_tables import (CKPT, GPU_16GB_BUDGET, GPU_24GB_BUDGET, NLLB_GPU,
+                                                RECIPE, REDUCE16, STATS8, STATS16, TABLES,
+                                                documented, documented_cells, names_in, render,
+                                                replaced)
 from fairseq_fsdp2.estimator.ledger import Setup, step_temporary_bytes
 from fairseq_fsdp2.models.nllb import NLLB_SIZES
 
@@ -87,9 +89,11 @@ def test_recorded_benchmark_commands_still_parse():
 
 # -- figures in prose (docs/memory.md, "NLLB-3.3B on two 24 GB GPUs without --cpu-offload") ----
 
+@functools.cache
 def nllb_3_3b(*flags: str, max_tokens: int = 4096):
     """The estimate for NLLB-3.3B with the recipe's settings, ``flags`` and ``max_tokens`` per
-    GPU, at 2 GPUs (the prose's setting): its one class of ranks."""
+    GPU, at 2 GPUs (the prose's setting): its one class of ranks (each made once, for both
+    pages' prose)."""
     argv = [str(max_tokens) if before == "--max-tokens" else arg
             for before, arg in zip(("",) + NLLB_GPU, NLLB_GPU)]
     (estimate,) = cli.estimate_args([*argv, "--arch", "transformer_nllb_3_3b", *RECIPE, *flags,
@@ -155,3 +159,36 @@ def test_memory_prose_figures_are_what_the_estimator_predicts():
     text = " ".join((REPO / "docs" / "memory.md").read_text().split())
     missing = [claim for claim in prose_claims() if claim not in text]
     assert not missing, "docs/memory.md states otherwise (expected phrases):\n" + "\n".join(missing)
+
+
+def readme_prose_claims() -> list[str]:
+    """The figures of README's prose under its "Fitting NLLB on your GPUs" table (NLLB-3.3B on
+    two 24 GB GPUs), each in the phrase that states it, from the estimates docs/memory.md's
+    prose uses (nllb_3_3b: made once), and the fits they claim against the budgets the tables
+    use (doc_tables.GPU_24GB_BUDGET, GPU_16GB_BUDGET)."""
+    gib = lambda n: n / 2 ** 30  # noqa: E731
+    stats16 = nllb_3_3b(*CKPT, *STATS16)
+    both = nllb_3_3b(*CKPT, *STATS8, *REDUCE16)
+    # the parameters: the estimate's fp32 parameter shards, 4 bytes an element on each of 2
+    # GPUs; with their fp32 gradients and Adam's two fp32 moments 16 bytes an element
+    params = stats16.breakdown["sharded"] * 2 / 4
+    whole = gib(params * 16 / 2)
+    assert stats16.peak_gb > GPU_24GB_BUDGET  # "does not fit ... at the edge"
+    assert both.peak_gb <= GPU_16GB_BUDGET  # "which fits" two 16 GB GPUs (and 24 GB ones)
+    return [
+        f"parameters, gradients and Adam state are {params / 1e6:,.0f}M x 16 bytes / 2 = "
+        f"{whole:.1f} GiB per GPU before any activation",
+        f"the predicted peak is {stats16.peak_gb:.2f} GiB: with the CUDA context at the edge of "
+        f"{24e9 / 2 ** 30:.1f} GiB",
+        f"the prediction is {both.peak_gb:.2f} GiB at 4,096 tokens per GPU, **which fits** two "
+        f"24 GB GPUs and, up to 4,096 tokens per GPU, two 16 GB GPUs ({GPU_16GB_BUDGET:.1f} GiB "
+        f"for tensors;",
+        f"those states live in host memory (about {whole:.0f} GiB of RAM per rank)",
+    ]
+
+
+def test_readme_prose_figures_are_what_the_estimator_predicts():
+    """README's figures outside its generated tables, as docs/memory.md's above."""
+    text = " ".join((REPO / "README.md").read_text().split())
+    missing = [claim for claim in readme_prose_claims() if claim not in text]
+    assert not missing, "README.md states otherwise (expected phrases):\n" + "\n".join(missing)

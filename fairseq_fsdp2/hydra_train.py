@@ -35,6 +35,7 @@ from .integration.hydra_config import (HydraConfigError, add_defaults_or_stop,
 from .integration.registration import install_hydra_add_defaults, install_hydra_main
 from .launch import quiet
 from .launch.cli import stop
+from .launch.run_context import forget_previous_runs
 
 
 #: fairseq's own config directory, where fairseq's hydra main looks for config.yaml
@@ -56,13 +57,9 @@ def hydra_main(cfg) -> float:
     the --patience count) in attributes of its functions, for the process: each job starts
     without the previous job's."""
     from fairseq_cli import hydra_train
-    from fairseq_cli import train as fairseq_train
     from fairseq import checkpoint_utils
 
-    for function, names in ((checkpoint_utils.save_checkpoint, ("best",)),
-                            (fairseq_train.should_stop_early, ("best", "num_runs"))):
-        for name in names:
-            vars(function).pop(name, None)
+    forget_previous_runs()  # (an FSDP2 run does it again as it starts: other backends too)
     hydra_train._hydra_main(cfg)  # fairseq's; its public hydra_main returns None
     maximize = cfg.checkpoint.maximize_best_checkpoint_metric
     best = getattr(checkpoint_utils.save_checkpoint, "best", None)

@@ -251,3 +251,31 @@ def test_a_job_whose_config_is_bad_fails_alone_and_the_sweep_goes_on(nllb_data, 
     assert [(j["num"], j["status"]) for j in jobs] == [(0, "FAILED"), (1, "COMPLETED")], jobs
     assert jobs[0]["value"].startswith(
         "OptionError: model.activation_fn: invalid choice: 'nonsense'"), jobs[0]
+
+
+def test_a_run_starts_without_the_best_score_and_patience_an_earlier_run_left_in_fairseq():
+    """fairseq keeps the best validation score and --patience's count for the whole process
+    (attributes of save_checkpoint and should_stop_early): a second run in a program would
+    write checkpoint_best.pt only where it beat the first run, and stop early on the first
+    run's count. Opening a run forgets them (launch/run_context.forget_previous_runs); here in
+    this process, with the records an earlier run would leave (no process group is made)."""
+    import fairseq_cli.train as fairseq_train
+    from fairseq import checkpoint_utils
+
+    from fairseq_fsdp2.launch import run_context
+
+    records = [(checkpoint_utils.save_checkpoint, "best"),
+               (fairseq_train.should_stop_early, "best"),
+               (fairseq_train.should_stop_early, "num_runs")]
+    assert [(h.__name__, n) for h, n in records] == [
+        (f, n) for _, f, names in run_context.FAIRSEQ_RUN_RECORDS for n in names]
+    for holder, name in records:
+        setattr(holder, name, 3)  # an earlier run's best (3.0) and patience count (3)
+    run = run_context.open_run(builds_on_meta=False, background_saves=False)
+    try:
+        left = [f"{h.__name__}.{n}" for h, n in records if hasattr(h, n)]
+    finally:
+        run.close()
+        for holder, name in records:
+            vars(holder).pop(name, None)
+    assert not left, f"a new run still sees {left}"

@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 import signal
+import sys
 import threading
 from typing import Callable, Optional
 
@@ -133,12 +134,35 @@ _current: Optional[RunContext] = None
 _runs = itertools.count()  # runs opened in this process
 
 
+#: what fairseq keeps for the whole process as attributes of its functions, from one training
+#: run to the next: the best validation score (``checkpoint_utils.save_checkpoint.best``,
+#: which decides checkpoint_best.pt) and --patience's count (``train.should_stop_early``'s
+#: ``best`` and ``num_runs``). A resumed run reads its best back from its checkpoint.
+FAIRSEQ_RUN_RECORDS = (("fairseq.checkpoint_utils", "save_checkpoint", ("best",)),
+                       ("fairseq_cli.train", "should_stop_early", ("best", "num_runs")))
+
+
+def forget_previous_runs() -> None:
+    """Start a training run as a fresh process would: without the best score and --patience
+    count a previous run in this process left in fairseq (FAIRSEQ_RUN_RECORDS). Without it a
+    second run in a program, or the next job of a hydra sweep, saves checkpoint_best.pt only
+    where it beats the first run and counts the first run's validations towards --patience."""
+    for module, function, names in FAIRSEQ_RUN_RECORDS:
+        holder = getattr(sys.modules.get(module), function, None)
+        if holder is None:  # not imported: nothing recorded
+            continue
+        for name in names:
+            vars(holder).pop(name, None)
+
+
 def open_run(*, builds_on_meta: bool, background_saves: bool) -> RunContext:
-    """The context of a run starting in this process; one at a time."""
+    """The context of a run starting in this process; one at a time. The run starts without
+    what earlier runs left in fairseq (forget_previous_runs)."""
     global _current
     if _current is not None:
         raise OptionError("an FSDP2 run is already in progress in this process: one run at a "
                           "time (start the next when the first has returned)")
+    forget_previous_runs()
     _current = RunContext(builds_on_meta=builds_on_meta, background_saves=background_saves,
                           index=next(_runs))
     return _current

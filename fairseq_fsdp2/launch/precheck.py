@@ -19,26 +19,31 @@ from typing import Optional, Sequence
 from fairseq import options
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-from ..errors import FSDP2Error
+from ..errors import FSDP2Error, report_bad_input
 from . import parse_errors, preflight, setup
+
+#: the name its error lines start with, as the ranks' (launch/cli.py)
+PROG = "fairseq_fsdp2"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """0 when the command line passes; bad input: its one line on stderr, and 2 returned (the
+    ``__main__`` block exits with it; in a program, the caller's to act on)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     world_size, train_args = int(argv[0]), [str(a) for a in argv[1:]]
-    args = options.parse_args_and_arch(options.get_training_parser(), train_args)
-    if not parse_errors.asks_for_fsdp2(train_args):
-        return 0
-    with warnings.catch_warnings():  # hydra's deprecation notes: the ranks print them anyway
-        warnings.simplefilter("ignore")
-        cfg = convert_namespace_to_omegaconf(args)
     try:
+        args = options.parse_args_and_arch(options.get_training_parser(), train_args)
+        if not parse_errors.asks_for_fsdp2(train_args):
+            return 0
+        with warnings.catch_warnings():  # hydra's deprecation notes: the ranks print them anyway
+            warnings.simplefilter("ignore")
+            cfg = convert_namespace_to_omegaconf(args)
         setup.trains_with_fsdp2(cfg)  # the backend flags settled as the ranks settle them
         cfg.distributed_training.distributed_world_size = world_size
         preflight.check_options(cfg)
         preflight.check_launch(cfg, launched_per_rank=True, on_cuda=False)
-    except FSDP2Error as e:
-        parse_errors.stop(str(e))
+    except FSDP2Error as e:  # the plugin's checks, and fairseq's parse errors (parse_errors.py)
+        return report_bad_input(PROG, e)
     return 0
 
 

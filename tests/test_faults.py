@@ -68,17 +68,20 @@ def resumed_at(output: str) -> int:
 @pytest.mark.slow
 def test_killed_ranks_are_named_and_restarts_reproduce_the_uninterrupted_run(train_args,
                                                                               tmp_path):
-    """6 seeded kill points (one rank or all; in forward, backward, the optimizer step, and
+    """5 seeded kill points (one rank or all; in forward, backward, the optimizer step, and
     inside saves: writing the shards and copying to checkpoint_last), each followed by a restart
-    with the same command. The seed is one whose 6 points cover every phase and rank 0, rank 1
-    and all ranks (each run costs seconds; 10 points cost twice the time for no new case)."""
+    with the same command. The seed is one whose 5 points cover every phase and rank 0, rank 1
+    and all ranks, 5 being the fewest that can (each run costs seconds; more points cost runs
+    for no new case), and among them one rank alone killed inside a save (writing the shards:
+    its peer survives in the save) and rank 1 killed in its optimizer step (rank 0 may be past
+    the update's last collective)."""
     reference, _ = run(train_args, tmp_path / "reference")
     assert all(r.returncode == 0 for r in reference), reference[0].output[-3000:]
     expected = losses(reference[0].output)
     assert sorted(expected) == list(range(1, UPDATES + 1))
 
     save_dir = tmp_path / "faulty"
-    points = fault_points(seed=3, n=6)
+    points = fault_points(seed=37669, n=5)
     assert {p for p, _, _ in points} == {"forward", "backward", "step", "shards", "copy"}
     assert {w for _, _, w in points} >= {"0", "1", "all"}
     resume, compared = 0, 0

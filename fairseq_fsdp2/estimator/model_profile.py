@@ -13,6 +13,7 @@ from typing import Iterable, Optional
 
 import torch
 import torch.nn as nn
+from fairseq.data import Dictionary
 from fairseq.modules import LayerDropModuleList
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -276,7 +277,12 @@ def build_profile(model: nn.Module, workload: Workload, *, precision: str = "fp3
     vocab, embed_dim = out_proj.weight.shape
 
     dtype, nbytes = PRECISIONS[precision]
-    traced = copy.deepcopy(model)  # meta: free; the cast and hooks stay off the caller's model
+    # meta: free; the cast and hooks stay off the caller's model. The dictionaries the encoder
+    # and decoder hold (NLLB's: 256,206 symbols, a million objects to copy: 0.2 s of the
+    # 0.25 s a profile took) are only read: shared, not copied
+    shared = {id(v): v for m in model.modules() for v in vars(m).values()
+              if isinstance(v, Dictionary)}
+    traced = copy.deepcopy(model, shared)
     for module in traced.modules():
         if isinstance(module, LayerDropModuleList):
             # layerdrop skips random layers in train mode: plan for an update that skips none

@@ -58,6 +58,16 @@ def _slow(real):
 
 # first: it sets up logging before anything imports fairseq (as `python -m fairseq_cli.train`)
 from fairseq_cli.train import cli_main  # noqa: E402
+from fairseq.logging import progress_bar  # noqa: E402
+
+if progress_bar.SummaryWriter is None:
+    # fairseq looks for tensorboard once, when it is imported: in a rank forked from the
+    # tests' fork server (which imported fairseq without the test-only packages on its path)
+    # that lookup found none. The same lookup, redone now that PYTHONPATH holds them; the
+    # writers and their exit handler (progress_bar._close_writers) are then fairseq's own.
+    from torch.utils.tensorboard import SummaryWriter
+
+    progress_bar.SummaryWriter = SummaryWriter
 
 if rank == 0:
     from fairseq_fsdp2.checkpoint import export

@@ -74,7 +74,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import kernels
-from .stochastic_round import release_draws
+from .stochastic_round import kept_draw_bytes, release_draws
 
 #: elements per block (bitsandbytes' and torchao's block size)
 BLOCK = 256
@@ -370,3 +370,13 @@ def release_workspaces() -> None:
     draws): a run's context calls it at the run's end (launch/run_context.py)."""
     _Workspace.kept.__dict__.clear()
     release_draws()
+
+
+def kept_bytes() -> int:
+    """Bytes of the CPU buffers the calling thread keeps between calls (quantize's workspace,
+    the bf16 rounding's draws): what release_workspaces drops (tests/probes/in_process.py
+    checks that a run leaves none)."""
+    work = getattr(_Workspace.kept, "work", None)
+    tensors = () if work is None else (work.f32a, work.f32b, work.i32a, work.i32b, work.draws,
+                                       work.least)
+    return sum(t.numel() * t.element_size() for t in tensors) + kept_draw_bytes()

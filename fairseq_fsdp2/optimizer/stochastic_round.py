@@ -82,3 +82,8 @@ def _buffers(size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tenso
 def release_draws() -> None:
     """Drop the calling thread's kept CPU buffers (blockwise_8bit.release_workspaces)."""
     _kept.__dict__.clear()
+
+
+def kept_draw_bytes() -> int:
+    """Bytes of the CPU buffers the calling thread keeps (what release_draws drops)."""
+    return sum(t.numel() * t.element_size() for t in getattr(_kept, "buffers", ()))

@@ -5,8 +5,9 @@ process and inside a ``tempfile.TemporaryDirectory``:
 train (1 rank, 4 updates) -> validate and generate from its checkpoint with fairseq's own mains
 -> train again, resuming to update 6 -> an uninterrupted 6-update run (the resume's reference:
 the two consolidated exports compared bit for bit)
--> another config (background saves, the root resharded, one encoder layer) -> a run with a
-missing data directory and one with a broken checkpoint, each caught as an FSDP2Error.
+-> another config (background saves, the root resharded, one encoder layer, bf16 moments:
+the stochastic rounding's kept buffers) -> a run with a missing data directory and one with a
+broken checkpoint, each caught as an FSDP2Error.
 
 It prints ``PHASE <name> <json>`` after each step (the process's state then) and ``DONE`` at the
 end; an ``atexit`` handler prints ``ATEXIT`` at interpreter exit. fairseq's own log lines (the
@@ -34,6 +35,7 @@ from fairseq_cli import generate, train, validate
 
 from fairseq_fsdp2.errors import FSDP2Error
 from fairseq_fsdp2.launch import run_context
+from fairseq_fsdp2.optimizer.blockwise_8bit import kept_bytes
 
 
 def state() -> dict:
@@ -43,7 +45,8 @@ def state() -> dict:
             "group": dist.is_initialized(),
             "threads": sorted(t.name for t in threading.enumerate()
                               if t.name.startswith("fsdp2")),
-            "run": run_context.current() is not None}
+            "run": run_context.current() is not None,
+            "kept_buffers": kept_bytes()}  # this (the main) thread's, where the steps ran
 
 
 def phase(name: str, **extra) -> None:
@@ -116,7 +119,7 @@ def main() -> None:
         other = os.path.join(tmp, "other")
         train_run([*common, "--max-update", 4, "--save-dir", other, "--encoder-layers", 1,
                    "--write-checkpoints-asynchronously", "--save-interval-updates", 2,
-                   "--fsdp2-root-reshard", "always"])
+                   "--fsdp2-root-reshard", "always", "--bf16-adam-stats"])
         phase("other", consolidated=os.path.isfile(
             os.path.join(other, "checkpoint_last_consolidated.pt")))
         missing = caught([*common, "--max-update", 2, "--save-dir", os.path.join(tmp, "m"),

@@ -15,6 +15,10 @@ import os
 import re
 from pathlib import Path
 
+import torch
+
+import fairseq_fsdp2  # noqa: F401  (allow-lists the classes fairseq pickles for torch.load)
+
 from conftest import PLUGIN, REPO, TINY_MODEL, TRAINING, stock_ddp
 from launcher import finish_ranks, ok, run_ranks, start_ranks
 from numerics import FP32_REORDERED, printed_close
@@ -139,6 +143,25 @@ class Scenario:
             "PYTHONPATH": PROBES, "FAULT": fault, "FAULT_DIR": str(pids)}), 300)
         assert all(r.returncode != 0 for r in results), results[0].output[-3000:]
         return results
+
+
+def shard_tensors(checkpoint_file: Path, out: Path) -> dict:
+    """Every tensor a sharded checkpoint's shards hold (model and optimizer), read whole in
+    this process (DCP's public converter to a torch.save file, written to ``out``)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    header = torch.load(checkpoint_file, weights_only=True)["fsdp2"]
+    shards = checkpoint_file.parent / header["shards"]
+    dcp_to_torch_save(shards, out)
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif torch.is_tensor(value):
+            flat[prefix] = value
+    walk("", torch.load(out, weights_only=True))
+    return flat
 
 
 def resumed_at(output: str) -> int:

@@ -5,7 +5,8 @@ The moments themselves, in one process: the plugin's Adam and a float32 Adam fed
 gradients, the 16-bit moments within a bound computed element by element from the rounding of
 each store (fairseq-train runs against the float32 moments, and resume: tests/test_backend.py;
 the local-shard path against DTensor dispatch: tests/test_local_shards.py). And the checkpoint:
-saved at 2 ranks, loaded at 3 (tests/probes/adam_stats_probe.py).
+saved at 2 ranks, loaded at 3 (tests/probes/adam_stats_probe.py); the stochastic rounding's
+random streams that the 2 ranks' steps drew from, one of their own each.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from launcher import ok, run_ranks
 from moment_bounds import (BETAS, assert_16_bit_moments_within_bound,
                            assert_bf16_second_moment_decays, effective, plugin_adam)
 from numerics import BF16_MOMENT, EIGHT_BIT_SIGNED_GAP, FP16_MOMENT, U32
+
+from fairseq_fsdp2.optimizer.blockwise_8bit import quantizable
 
 PROBES = str(REPO / "tests" / "probes")
 
@@ -69,13 +72,50 @@ def test_bf16_second_moment_decays_as_in_float32():
     assert_bf16_second_moment_decays(torch.device("cpu"))  # moment_bounds.py
 
 
+def probe_report(out: str) -> dict:
+    return json.loads(next(line for line in out.splitlines() if line.startswith("PROBE "))[6:])
+
+
 @pytest.fixture(scope="module")
-def resharded(tmp_path_factory):
+def probe_runs(tmp_path_factory):
+    """tests/probes/adam_stats_probe.py: (what its 2 ranks' save reported, what its 3 ranks'
+    load reported)."""
     root = tmp_path_factory.mktemp("adam_stats")
     env = {"PYTHONPATH": PROBES}
-    ok(run_ranks(2, lambda r: ["save", root], module="adam_stats_probe", env=env))
-    out = ok(run_ranks(3, lambda r: ["load", root], module="adam_stats_probe", env=env))
-    return json.loads(next(line for line in out.splitlines() if line.startswith("PROBE "))[6:])
+    saved = ok(run_ranks(2, lambda r: ["save", root], module="adam_stats_probe", env=env))
+    loaded = ok(run_ranks(3, lambda r: ["load", root], module="adam_stats_probe", env=env))
+    return probe_report(saved), probe_report(loaded)
+
+
+@pytest.fixture(scope="module")
+def resharded(probe_runs):
+    return probe_runs[1]
+
+
+@pytest.mark.parametrize("stats", ["bf16", "8bit"])
+def test_every_parameter_moment_rank_and_step_draws_its_own_stream(probe_runs, stats):
+    """The stochastic rounding's random streams, as the optimizer made them in the probe's
+    2-rank sharded run (3 steps): one per rank, step, rounded parameter (bf16: every one; 8
+    bits: those of quantizable shape, the others keep float32 moments) and moment, and no two
+    alike, neither their seeds nor their first draws. Were two to share a stream, their
+    rounding errors would be one error (correlated between the moments, the parameters or the
+    ranks that hold one tensor's shards), not independent ones; the comparisons with float32
+    moments measure the noise with the same code, so they could not tell (numerics.py).
+    Whether a stream reproduces where it should: the resumes (tests/test_adam_stats_8bit.py,
+    tests/test_backend.py) and the chunked step against the whole tensor's draws
+    (tests/test_row_chunk_step.py). fp32 and fp16 moments draw nothing."""
+    report = probe_runs[0]
+    for plain in ("fp32", "fp16"):
+        assert report[plain]["streams"] == [[], []]
+    ranks, steps = report[stats]["streams"], report[stats]["steps"]
+    shapes = report[stats]["shapes"].values()
+    rounded = len(shapes) if stats == "bf16" else sum(quantizable(s) for s in shapes)
+    assert len(ranks) == 2 and rounded >= 2
+    streams = [stream for rank in ranks for stream in rank]
+    for rank in ranks:
+        assert len(rank) == steps * rounded * 2, (len(rank), steps, rounded)
+    assert len({seed for seed, _ in streams}) == len(streams)
+    assert len({tuple(first) for _, first in streams}) == len(streams)
 
 
 F32, F16, BF16, U8 = "torch.float32", "torch.float16", "torch.bfloat16", "torch.uint8"

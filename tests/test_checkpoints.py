@@ -14,6 +14,7 @@ from conftest import REPO, stock_ddp
 from launcher import ok, run_command, run_ranks, train_inner, train_summary
 from numerics import (FP32_REORDERED, assert_runs_close, clipped_norms, per_update,
                       printed_close, printed_half_unit, sgd_reordered_bound)
+from scenarios import shard_tensors
 
 FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1"]
 # no dropout: fairseq seeds dropout per update (same on every rank), so masks depend on how
@@ -266,25 +267,6 @@ def test_kill_during_save_leaves_previous_checkpoint_loadable(saved_run, corpus,
 
 
 ASYNC = "--write-checkpoints-asynchronously"
-
-
-def shard_tensors(checkpoint_file: Path, out: Path) -> dict:
-    """Every tensor a sharded checkpoint's shards hold (model and optimizer), read whole in
-    this process (DCP's public converter to a torch.save file, written to ``out``)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    header = torch.load(checkpoint_file, weights_only=True)["fsdp2"]
-    shards = checkpoint_file.parent / header["shards"]
-    dcp_to_torch_save(shards, out)
-    flat = {}
-
-    def walk(prefix, value):
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(f"{prefix}.{k}" if prefix else str(k), v)
-        elif torch.is_tensor(value):
-            flat[prefix] = value
-    walk("", torch.load(out, weights_only=True))
-    return flat
 
 
 def test_asynchronous_saves_train_and_resume_as_synchronous_ones(saved_run, tmp_path):

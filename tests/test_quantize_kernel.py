@@ -26,6 +26,7 @@ import torch
 from fairseq_fsdp2.optimizer import kernels
 from fairseq_fsdp2.optimizer.blockwise_8bit import (BLOCK, CPU_CHUNK, dequantize, dynamic_map,
                                                     quantize)
+from fairseq_fsdp2.optimizer.stochastic_round import to_bf16_stochastic
 
 from conftest import REQUIRE_FIXTURE_DEPS
 
@@ -168,3 +169,43 @@ def test_the_end_of_a_run_drops_every_threads_buffers_and_tables():
     assert kept_state() == {"workspaces": 2, "draws": 2, "tables": 1}, kept_state()
     release_workspaces()
     assert kept_state() == {"workspaces": 0, "draws": 0, "tables": 0}, kept_state()
+
+
+#: calls each thread makes at once with the other
+ROUNDS = 8
+
+
+def test_threads_rounding_at_once_get_what_each_would_alone():
+    """Two threads quantizing to 8 bits and rounding to bf16 at the same time (as two
+    optimizers stepping in one process; the kernel runs without the GIL): each gets, bit for
+    bit, what the same call gives alone, every one of ROUNDS times. Each thread keeps its own
+    CPU buffers between calls (blockwise_8bit._Workspace, stochastic_round's draws); were they
+    shared, one thread's draws or quotients would be written over by the other's while it
+    reads them. Tensors of 3 quantize chunks each (CPU_CHUNK elements), so every call refills
+    the buffers several times."""
+    rows, row = 3 * CPU_CHUNK // 1000, 1000
+    inputs = [torch.randn(rows, row, generator=torch.Generator().manual_seed(i)) for i in (0, 1)]
+
+    def rounded(i: int):
+        codes, absmax = quantize(inputs[i], True, torch.Generator().manual_seed(10 + i))
+        bf16 = to_bf16_stochastic(inputs[i].clone(), torch.Generator().manual_seed(20 + i))
+        return codes, absmax, bf16
+
+    alone = [rounded(i) for i in (0, 1)]
+    start = threading.Barrier(2)
+    results: dict = {0: [], 1: []}
+
+    def work(i: int) -> None:
+        start.wait()
+        for _ in range(ROUNDS):
+            results[i].append(rounded(i))
+    threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in (0, 1):
+        assert len(results[i]) == ROUNDS
+        for got in results[i]:
+            for name, a, b in zip(("codes", "block maxima", "bf16"), got, alone[i]):
+                assert torch.equal(a, b), f"thread {i}: its {name} are not what it gets alone"

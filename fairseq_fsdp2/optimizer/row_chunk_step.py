@@ -10,15 +10,19 @@ temporaries are those of one chunk (16 bytes an element and the quantization's),
 model's size.
 
 Why it is exact: Adam is element-wise (local_shard_step.py), so a chunk of rows steps as it would
-inside the whole tensor: the same aten operations on the same values. A chunk holds a multiple of
-64 elements (the last of a parameter excepted), so on a CPU every element is computed by the same
-(vectorized or scalar-tail) code as in one operation over the whole shard, and is bit for bit the
-same (tests/test_row_chunk_step.py compares with one chunk a parameter). The stochastic rounding
-draws from one generator per parameter and moment (seeded by the run's ``--seed``, the step,
-the parameter's place, the moment and the shard's place), rows in order; on a CPU torch draws a
-fixed number of random bits per element, so the draws of consecutive chunks are those of the
-whole tensor. (On CUDA the generator advances by kernel launch: chunked draws differ from one
-call's, and are as reproducible: a resumed run chunks as the uninterrupted one.)
+inside the whole tensor: the same aten operations on the same values, bit for bit (on a CPU
+these operations compute the same value in their vector loops and their scalar tails, so where
+a chunk or a thread's share of it begins changes nothing; tests/test_row_chunk_step.py compares
+with one chunk a parameter, and a 4.2M-element parameter stepped by 2 threads with an
+independent reference). The stochastic rounding draws from one generator per parameter and
+moment (seeded by the run's ``--seed``, the step, the parameter's place, the moment and the
+shard's place), rows in order; on a CPU torch draws a fixed number of random bits per element,
+so the draws of consecutive chunks are those of the whole tensor: 8 bits draw whole rows of
+blocks, and bf16 takes four elements' draws from each 64-bit draw, so its chunks hold a
+multiple of ALIGN elements (the last of a parameter excepted): a chunk ending inside a 64-bit
+draw would leave the rest of it unused and shift every later draw. (On CUDA the generator
+advances by kernel launch: chunked draws differ from one call's, and are as reproducible: a
+resumed run chunks as the uninterrupted one.)
 
 Gradients: when FSDP2 keeps the reduce-scatter's 16-bit output as the gradient shard
 (sharding/narrow_grads.py), ``multiply_grads`` cannot scale it in place without rounding to 16
@@ -46,8 +50,8 @@ ABSMAX_KEYS = {"exp_avg": "exp_avg_absmax", "exp_avg_sq": "exp_avg_sq_absmax"}
 SIGNED = {"exp_avg": True, "exp_avg_sq": False}
 #: elements stepped at once (a chunk of a large parameter's rows, or several small parameters)
 STEP_CHUNK = 1 << 22
-#: a chunk's elements are a multiple of this (the widest CPU vector loop's unit, 2 x 16 float32
-#: lanes, twice): the same elements in vector loops and scalar tails as in one operation
+#: a chunk's elements are a multiple of this: of 4 (bf16's rounding takes four elements' draws
+#: from each 64-bit draw), and of the widest CPU vector loop's unit (2 x 16 float32 lanes, twice)
 ALIGN = 64
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 

@@ -4,13 +4,15 @@ argv: MODE DIR.
 - ``save`` (2 ranks): a small sharded model per moment format (fp32, fp16, bf16, 8bit: its two
   weights, 20 x 300 and 230 x 20, big enough for 8 bits; uneven rows at 3 ranks), 3 Adam steps
   each, saved with the plugin's sharded checkpoint (checkpoint/sharded.py) to DIR/<format>;
-  rank 0 writes each state's full tensors to DIR/<format>.pt.
+  rank 0 writes each state's full tensors to DIR/<format>.pt. Prints one ``PROBE {json}`` line:
+  per format, every random stream the steps drew from (``recording_streams``), all ranks'.
 - ``load`` (3 ranks: other shards, uneven): each saved state loaded, as the trainer loads it,
   into an optimizer of each format that the test names, then one step with zero gradients. Prints one ``PROBE {json}``
   line: per (saved, run) pair, whether the loaded tensors equal the saved ones bit for bit,
   the dtypes and keys as loaded and after the step, and whether the step computed from the
   saved values (Adam's zero-gradient step: m x beta1, v x beta2, exact in float32).
 """
+import contextlib
 import sys
 
 import torch
@@ -25,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from probe_report import report_and_exit
 
 from fairseq_fsdp2.checkpoint import sharded
+from fairseq_fsdp2.optimizer import adam_stats, row_chunk_step
 from fairseq_fsdp2.optimizer.adam_stats import ABSMAX_KEYS, MOMENTS, SCALE_KEYS, SIGNED
 from fairseq_fsdp2.optimizer.blockwise_8bit import dequantize
 from fairseq_fsdp2.optimizer.build import build_optimizer
@@ -72,23 +75,56 @@ def effective(state: dict) -> dict:
     return out
 
 
-def save(root: str) -> None:
+#: the 64-bit draws recorded from the start of each random stream
+FIRST_DRAWS = 4
+
+
+@contextlib.contextmanager
+def recording_streams(streams: list):
+    """Every generator the optimizer's stochastic rounding makes (generator_for, as the
+    row-chunked step and the bucketed one call it) appended to ``streams`` as [its seed, its
+    first FIRST_DRAWS 64-bit draws (from a generator made alike, so the step's own draws are
+    untouched)]."""
+    real = row_chunk_step.generator_for
+    assert adam_stats.generator_for is real
+
+    def recorded(device, seed):
+        first = torch.empty(FIRST_DRAWS, dtype=torch.int64).random_(
+            -1 << 63, None, generator=real(device, seed))
+        streams.append([seed, first.tolist()])
+        return real(device, seed)
+    row_chunk_step.generator_for = adam_stats.generator_for = recorded
+    try:
+        yield streams
+    finally:
+        row_chunk_step.generator_for = adam_stats.generator_for = real
+
+
+def save(root: str) -> dict:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    report = {}
     for stats in FORMATS:
         m = model(mesh)
         params = dict(m.named_parameters())
         opt = optimizer(list(params.values()), stats)
+        streams: list = []
         for step in range(3):
             opt.zero_grad()
             torch.manual_seed(100 + step)
             (m(torch.randn(7, 300) * 10 ** step).square().sum()).backward()
-            opt.step()
+            with recording_streams(streams):
+                opt.step()
+        every_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(every_rank, streams)
+        report[stats] = {"streams": every_rank, "steps": 3,
+                         "shapes": {name: list(p.shape) for name, p in params.items()}}
         sharded.save(m, opt, f"{root}/{stats}", 3)
         saved = {name: {k: full(v) for k, v in opt.state[p].items() if torch.is_tensor(v)}
                  for name, p in params.items()}
         if dist.get_rank() == 0:
             torch.save(saved, f"{root}/{stats}.pt")
         dist.barrier()
+    return report
 
 
 def load_as_the_trainer_does(m: nn.Module, opt, shard_dir: str) -> None:
@@ -150,8 +186,7 @@ def main() -> None:
     mode, root = sys.argv[1:3]
     dist.init_process_group("gloo")
     if mode == "save":
-        save(root)
-        report_and_exit({"saved": True}, print_here=dist.get_rank() == 0)
+        report_and_exit(save(root), print_here=dist.get_rank() == 0)
     report_and_exit(load(root), print_here=dist.get_rank() == 0)
 
 

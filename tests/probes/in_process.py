@@ -5,9 +5,9 @@ process and inside a ``tempfile.TemporaryDirectory``:
 train (1 rank, 4 updates) -> validate and generate from its checkpoint with fairseq's own mains
 -> train again, resuming to update 6 -> an uninterrupted 6-update run (the resume's reference:
 the two consolidated exports compared bit for bit)
--> another config (background saves, the root resharded, one encoder layer) -> a run with a
-missing data directory and one with a broken checkpoint, each caught as an FSDP2Error -> a run
-in a process group the program opened itself (with --heartbeat-timeout, which the run sets on
+-> another config (background saves, the root resharded, one encoder layer, bf16 moments:
+the stochastic rounding's kept buffers) -> a run with a missing data directory and one with a
+broken checkpoint, each caught as an FSDP2Error -> a run in a process group the program opened itself (with --heartbeat-timeout, which the run sets on
 that group, and 8-bit moments, whose buffers and tables the run keeps), the state before and
 after it recorded while the group is still open.
 
@@ -142,7 +142,7 @@ def main() -> None:
         other = os.path.join(tmp, "other")
         train_run([*common, "--max-update", 4, "--save-dir", other, "--encoder-layers", 1,
                    "--write-checkpoints-asynchronously", "--save-interval-updates", 2,
-                   "--fsdp2-root-reshard", "always"])
+                   "--fsdp2-root-reshard", "always", "--bf16-adam-stats"])
         phase("other", consolidated=os.path.isfile(
             os.path.join(other, "checkpoint_last_consolidated.pt")))
         missing = caught([*common, "--max-update", 2, "--save-dir", os.path.join(tmp, "m"),

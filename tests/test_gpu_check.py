@@ -343,9 +343,10 @@ def test_dry_run_installs_offline_from_wheels_alone_and_writes_the_report(tmp_pa
     prepared = json.loads((tmp_path / "w" / "PREPARED.json").read_text())
     names = sorted(n.split("-")[0] for n in prepared["files"])
     # protobuf: pinned in requirements.txt for editing SentencePiece models (data/spm_model.py);
-    # the image's list (gpu_check.sh) does not name it, so .whl/ carries it
+    # ninja: pinned there to build the 8-bit kernel (optimizer/kernels.py); the image's list
+    # (gpu_check.sh) names neither, so .whl/ carries them
     assert names == ["antlr4_python3_runtime", "bitarray", "cffi", "fairseq_fixed", "hydra_core",
-                     "omegaconf", "protobuf", "pycparser"], prepared
+                     "ninja", "omegaconf", "protobuf", "pycparser"], prepared
     wheels = [f for f in prepared["files"] if f.endswith(".whl")]
     # for Python 3.12: its own cp312 wheels, pure-Python ones, or the stable ABI from an earlier
     # CPython on (protobuf's cp310-abi3)
@@ -369,7 +370,7 @@ def test_dry_run_installs_offline_from_wheels_alone_and_writes_the_report(tmp_pa
     versions = json.loads((tmp_path / "d" / "work" / "versions.json").read_text())
     added = sorted(k for k, v in versions.items() if v["where"] == "added")
     assert added == ["antlr4-python3-runtime", "bitarray", "cffi", "fairseq-fixed", "hydra-core",
-                     "omegaconf", "protobuf", "pycparser"], added
+                     "ninja", "omegaconf", "protobuf", "pycparser"], added
     assert versions["torch"]["where"] == "image"
     env = tmp_path / "d" / "work" / "env"
     assert not list(env.glob("fairseq/libnat_cuda*")), "a CUDA extension was built"

@@ -56,7 +56,7 @@ def slurm_settings(dt, on_cuda: bool) -> None:
     dt.distributed_no_spawn = spawned == 1
     dt.distributed_num_procs = spawned
     if world == 1:
-        return  # one process: run.py gives it a 1-rank group
+        return  # one process: setup.py gives it a 1-rank group
     if dt.distributed_port <= 0:
         raise OptionError(
             "under SLURM, --distributed-port PORT is needed: a free port on the job's first "

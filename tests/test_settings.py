@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-from omegaconf import open_dict
+from omegaconf import DictConfig, open_dict
 
 from fairseq_fsdp2 import settings
 from fairseq_fsdp2.estimator import from_args
@@ -72,10 +72,15 @@ def runtime_config(args, cfgs: dict):
         cfgs[args.optimizer] = convert_namespace_to_omegaconf(args)
     cfg = cfgs[args.optimizer]
     for group in GROUPS:
-        with open_dict(cfg[group]):
-            for key in list(cfg[group]):
-                if hasattr(args, key) and cfg[group][key] != getattr(args, key):
-                    cfg[group][key] = getattr(args, key)
+        node = cfg[group]
+        if not isinstance(node, DictConfig):  # fairseq keeps some optimizers' as a Namespace
+            for key in vars(node):
+                setattr(node, key, getattr(args, key, getattr(node, key)))
+            continue
+        with open_dict(node):
+            for key in list(node):
+                if hasattr(args, key) and node[key] != getattr(args, key):
+                    node[key] = getattr(args, key)
     return cfg
 
 

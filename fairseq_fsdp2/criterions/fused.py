@@ -40,14 +40,16 @@ from typing import Optional
 
 import torch
 
+from .. import chunks
+
 #: logits copied to float32 at once (a block of a chunk's rows): 2^23, 32 MiB, about 32 tokens
 #: at NLLB's 256,206 words (against 0.24 GiB for a 256-token chunk whole)
-FLOAT_ELEMENTS = 1 << 23
+FLOAT_ELEMENTS = chunks.LOSS_FLOAT_ELEMENTS
 
 
 def float_rows(vocab: int, float_elements: int = FLOAT_ELEMENTS) -> int:
     """Rows of a chunk whose float32 log-softmax is computed at once."""
-    return max(1, float_elements // max(vocab, 1))
+    return chunks.rows_per_chunk(vocab, float_elements)
 
 
 def chunk_bytes(tokens: int, vocab: int, compute_bytes: int, grad_bytes: int) -> int:

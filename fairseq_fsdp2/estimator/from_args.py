@@ -10,6 +10,7 @@ import torch
 from fairseq import options, tasks
 from fairseq.data import Dictionary
 
+from .. import settings
 from ..launch import preflight
 from ..sharding import tied_grad_reduce
 from ..errors import OptionError
@@ -74,13 +75,10 @@ def adam_stats_of(args) -> str:
     """fairseq's --fp16-adam-stats (stock fairseq's FusedAdamV1 on GPUs too), the plugin's
     --bf16-adam-stats and --eight-bit-adam-stats (FSDP2 runs only: training refuses them with
     another backend)."""
-    if getattr(args, "fp16_adam_stats", False):
-        return "fp16"
-    if getattr(args, "bf16_adam_stats", False) and backend_of(args) == "fsdp2":
-        return "bf16"
-    if getattr(args, "eight_bit_adam_stats", False) and backend_of(args) == "fsdp2":
-        return "8bit"
-    return "fp32"
+    def plugin(flag: str) -> bool:
+        return bool(getattr(args, flag, False)) and backend_of(args) == "fsdp2"
+    return settings.moment_format(bool(getattr(args, "fp16_adam_stats", False)),
+                                  plugin("bf16_adam_stats"), plugin("eight_bit_adam_stats"))
 
 
 def ema_bytes_of(args) -> int:
@@ -110,14 +108,15 @@ def reduce_dtype_of(args) -> str:
 
 
 def narrow_grads_of(args) -> bool:
-    """Whether the trainer keeps the gradient shards in the 16-bit reduce dtype (trainer/
-    fsdp2_trainer.py, _keeps_16_bit_grads: fairseq's Adam without fp16 moments, --update-freq
-    1, no --cpu-offload, no --fsdp2-fp32-grad-shards)."""
-    return reduce_dtype_of(args) != "fp32" and (getattr(args, "optimizer", "adam") or "adam") \
-        == "adam" and adam_stats_of(args) != "fp16" and not getattr(args, "amsgrad", False) \
-        and list(getattr(args, "update_freq", None) or [1]) == [1] and \
-        not getattr(args, "cpu_offload", False) and \
-        not getattr(args, "fsdp2_fp32_grad_shards", False)
+    """Whether the trainer keeps the gradient shards in the 16-bit reduce dtype: the trainer's
+    rule (settings.keeps_16_bit_grads, for a step that takes them: settings.
+    step_takes_16_bit_grads), from the command line's options."""
+    return settings.keeps_16_bit_grads(
+        reduce_dtype_of(args),
+        settings.step_takes_16_bit_grads(getattr(args, "optimizer", "adam") or "adam",
+                                         adam_stats_of(args), getattr(args, "amsgrad", False)),
+        getattr(args, "update_freq", None), bool(getattr(args, "cpu_offload", False)),
+        bool(getattr(args, "fsdp2_fp32_grad_shards", False)))
 
 
 def setup_for(args, world_size: int) -> Setup:
@@ -132,6 +131,7 @@ def setup_for(args, world_size: int) -> Setup:
         no_reshard_after_forward=bool(getattr(args, "no_reshard_after_forward", False)),
         reshard_degree=getattr(args, "fsdp2_reshard_degree", 0) or 0,
         optimizer=getattr(args, "optimizer", "adam") or "adam",
+        amsgrad=bool(getattr(args, "amsgrad", False)),
         momentum=float(getattr(args, "momentum", 0.0) or 0.0),
         loss_chunk_tokens=int(chunk or 0), device=device, cpu_baseline_gb=args.cpu_baseline_gb,
         cpu_offload=bool(getattr(args, "cpu_offload", False)),

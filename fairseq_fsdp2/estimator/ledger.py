@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
+from .. import settings
 from ..optimizer.adam_stats import BUCKET_MIN
 from ..optimizer.blockwise_8bit import CHUNK, TEMPORARY_BYTES, absmax_shape, quantizable
 from ..optimizer.row_chunk_step import STEP_CHUNK
@@ -42,6 +43,7 @@ class Setup:
     reshard_degree: int = 0
     optimizer: str = "adam"
     momentum: float = 0.0
+    amsgrad: bool = False  # Adam's amsgrad (fairseq's Adam takes it; no flag sets it)
     loss_chunk_tokens: int = 0  # 0: the stock criterion
     device: str = "cuda"
     cpu_baseline_gb: Optional[float] = None  # None: cpu_baseline_bytes(vocab)
@@ -56,7 +58,7 @@ class Setup:
     ema_bytes: int = 0  # --store-ema: bytes of the EMA per parameter element (0: no EMA)
     reduce_dtype: str = "fp32"  # --fsdp2-reduce-dtype: fp32, or the 16-bit compute dtype
     # the sharded gradients stay in the 16-bit reduce dtype for the optimizer (sharding/
-    # narrow_grads.py; the trainer's _keeps_16_bit_grads): narrow_grads_of in from_args.py
+    # narrow_grads.py; settings.keeps_16_bit_grads decides: narrow_grads_of in from_args.py)
     narrow_grads: bool = False
     # the tied embedding's gradient reduced early into the shard, the lookups' rows exchanged
     # (sharding/tied_grad_reduce.py; its ``applies`` decides, setup_for in from_args.py)
@@ -153,9 +155,10 @@ def optimizer_state_bytes(setup: Setup, elements: int, shapes=(), shards: int = 
 
 def row_chunked(setup: Setup) -> bool:
     """Whether fairseq's Adam steps a chunk of rows at a time (optimizer/row_chunk_step.py):
-    with bf16 or 8-bit moments, and with float32 ones when the gradients are 16-bit."""
-    return setup.optimizer == "adam" and (setup.adam_stats in ("bf16", "8bit") or (
-        setup.adam_stats == "fp32" and setup.narrow_grads))
+    the optimizer's rule, settings.row_chunked_step."""
+    return settings.row_chunked_step(
+        settings.step_takes_16_bit_grads(setup.optimizer, setup.adam_stats, setup.amsgrad),
+        setup.adam_stats, setup.narrow_grads)
 
 
 def step_temporary_bytes(setup: Setup, largest: int, total: int, buckets: bool = True) -> int:

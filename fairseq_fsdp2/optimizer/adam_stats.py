@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .. import settings
 from ..sharding.mesh import comm_device, local_part
 from .blockwise_8bit import abs_max, dequantize, quantize, rows_like
 from .local_shard_step import ELEMENTWISE, mix_into
@@ -133,10 +134,17 @@ class SixteenBitMoments(RowChunkSteps):
 
     def takes_16_bit_grads(self) -> bool:
         """Whether the step can take 16-bit gradient shards and the factors multiply_grads
-        left pending for them (the row-chunked step: local shards, not fp16 moments, which
-        need their whole tensor's scale, nor amsgrad's third state)."""
-        return self.local_shards and self.moment_dtype != torch.float16 and \
-            not any(group.get("amsgrad", False) for group in self.param_groups)
+        left pending for them (settings.step_takes_16_bit_grads decides)."""
+        return settings.step_takes_16_bit_grads(
+            "adam", FORMAT_OF[self.moment_dtype],
+            any(group.get("amsgrad", False) for group in self.param_groups), self.local_shards)
+
+    def steps_in_row_chunks(self, narrow_grads: bool) -> bool:
+        """Whether this step runs a chunk of rows at a time (row_chunk_step.py), with
+        ``narrow_grads`` (16-bit gradient shards) given: settings.row_chunked_step decides."""
+        return settings.row_chunked_step(self.takes_16_bit_grads(),
+                                         FORMAT_OF[self.moment_dtype], narrow_grads,
+                                         self.mixed_state_loaded)
 
     def step(self, closure=None):
         narrow_grads = any(p.grad is not None and p.grad.dtype in SIXTEEN_BIT
@@ -148,7 +156,7 @@ class SixteenBitMoments(RowChunkSteps):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.takes_16_bit_grads():
+        if self.steps_in_row_chunks(narrow_grads):
             self.step_in_row_chunks()
             self.mixed_state_loaded = False
             return loss
@@ -346,6 +354,8 @@ class SixteenBitMoments(RowChunkSteps):
 #: between steps (uint8: block-wise quantized codes)
 MOMENT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
                  "8bit": torch.uint8}
+#: the format's name (settings.MOMENT_FORMATS) of each moment dtype
+FORMAT_OF = {dtype: name for name, dtype in MOMENT_DTYPES.items()}
 
 
 def use_16_bit_moments(torch_optimizer: torch.optim.Optimizer, stats: str = "fp32",

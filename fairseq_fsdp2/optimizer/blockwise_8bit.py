@@ -72,6 +72,7 @@ from typing import Optional
 import torch
 from torch.distributed.tensor import DTensor
 
+from .. import chunks
 from . import kernels
 from .stochastic_round import draws_kept, release_draws
 from .thread_buffers import ThreadBuffers
@@ -83,10 +84,10 @@ BLOCK = 256
 MIN_NUMEL = 4096
 #: elements quantized per chunk of rows (at least one row) on CPU: its temporaries stay in the
 #: cache (2^18 was the fastest of 2^14..2^21, one thread)
-CPU_CHUNK = 1 << 18
+CPU_CHUNK = chunks.QUANTIZE_CPU_ELEMENTS
 #: on a GPU: each chunk launches about 20 kernels, and bandwidth, not the cache, is what counts
 #: (a chunk of 2^18 would make NLLB-3.3B's step about 50,000 launches)
-CUDA_CHUNK = 1 << 22
+CUDA_CHUNK = chunks.QUANTIZE_CUDA_ELEMENTS
 #: bytes of temporaries per element of a chunk while quantizing: float32 quotients (padded rows)
 #: and gathered map values, int32 prefixes and indices, 16-bit draws: 18, and two float32 maxima
 #: per block; dequantizing needs fewer (int32 codes: 4)
@@ -94,13 +95,18 @@ WORK_BYTES = 20
 #: what the estimator allows for these temporaries (estimator/ledger.py): CHUNK x
 #: TEMPORARY_BYTES = 128 MiB, a bound on what is used, chunk_elements(device) x WORK_BYTES: 5 MiB
 #: on CPU, 80 MiB on a GPU (it predicted the searchsorted version's, whose chunks these were)
-CHUNK = 1 << 21
+CHUNK = chunks.QUANTIZE_ESTIMATED_ELEMENTS
 TEMPORARY_BYTES = 64
 
 
 def chunk_elements(device: torch.device) -> int:
     """Elements quantized at a time on ``device`` (its temporaries: WORK_BYTES each)."""
     return CPU_CHUNK if device.type == "cpu" else CUDA_CHUNK
+
+
+def rows_at_once(row: int, device: torch.device) -> int:
+    """Rows of ``row`` elements quantized (dequantized) at a time on ``device``."""
+    return chunks.rows_per_chunk(row, chunk_elements(device))
 
 
 DECADES = 7
@@ -215,7 +221,7 @@ def abs_max(x: torch.Tensor) -> torch.Tensor:
 
 
 def _row_chunks(rows: int, row: int, device: torch.device):
-    step = max(1, chunk_elements(device) // max(row, 1))
+    step = rows_at_once(row, device)
     for start in range(0, rows, step):
         yield start, min(rows, start + step)
 
@@ -240,7 +246,7 @@ def quantize(x: torch.Tensor, signed: bool, generator: torch.Generator,
         return codes, absmax
     tables = _tables(signed, x.device)
     flat, out = x.reshape(rows, row), codes.view(rows, row)
-    step = max(1, chunk_elements(x.device) // max(row, 1))
+    step = rows_at_once(row, x.device)
     work = _Workspace.at_least(min(step, rows) * blocks, x.device)
     compiled = _kernel(x.device, kernel)
     for start, end in _row_chunks(rows, row, x.device):
@@ -350,7 +356,7 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool,
     if compiled is not None:
         compiled.dequantize_rows(flat.contiguous(), absmax.contiguous(), qmap, dest)
         return out
-    step = max(1, chunk_elements(codes.device) // max(row, 1))
+    step = rows_at_once(row, codes.device)
     index = _Workspace.int32(min(step, rows) * row, codes.device)
     for start, end in _row_chunks(rows, row, codes.device):
         n = (end - start) * row

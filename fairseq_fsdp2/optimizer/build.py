@@ -13,6 +13,7 @@ import logging
 from fairseq import optim
 from omegaconf import OmegaConf, open_dict
 
+from .. import settings
 from .adafactor_state import use_factored_state
 from .adam_stats import use_16_bit_moments
 from .grad_norm import use_global_grad_norm
@@ -23,14 +24,12 @@ logger = logging.getLogger(__name__)
 
 def adam_stats(cfg) -> str:
     """How Adam's moments are stored between steps: ``fp16`` (--fp16-adam-stats), ``bf16``
-    (--bf16-adam-stats), ``8bit`` (--eight-bit-adam-stats) or ``fp32``."""
-    if getattr(cfg.optimizer, "fp16_adam_stats", False):  # a Namespace for some optimizers
-        return "fp16"
-    if OmegaConf.select(cfg, "distributed_training.bf16_adam_stats", default=False):
-        return "bf16"
-    if OmegaConf.select(cfg, "distributed_training.eight_bit_adam_stats", default=False):
-        return "8bit"
-    return "fp32"
+    (--bf16-adam-stats), ``8bit`` (--eight-bit-adam-stats) or ``fp32`` (settings.
+    moment_format decides)."""
+    return settings.moment_format(
+        getattr(cfg.optimizer, "fp16_adam_stats", False),  # a Namespace for some optimizers
+        OmegaConf.select(cfg, "distributed_training.bf16_adam_stats", default=False),
+        OmegaConf.select(cfg, "distributed_training.eight_bit_adam_stats", default=False))
 
 
 def build_optimizer(cfg, params, local_shards: bool = True):

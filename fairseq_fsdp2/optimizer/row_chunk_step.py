@@ -38,6 +38,7 @@ from typing import Optional
 import torch
 from torch.distributed.tensor import DTensor
 
+from .. import chunks
 from ..sharding.mesh import local_part
 from .blockwise_8bit import dequantize, quantizable, quantize, rows_like
 from .stochastic_round import generator_for, to_bf16_stochastic
@@ -49,7 +50,7 @@ ABSMAX_KEYS = {"exp_avg": "exp_avg_absmax", "exp_avg_sq": "exp_avg_sq_absmax"}
 #: 8 bits: the first moment's map is signed, the second's unsigned
 SIGNED = {"exp_avg": True, "exp_avg_sq": False}
 #: elements stepped at once (a chunk of a large parameter's rows, or several small parameters)
-STEP_CHUNK = 1 << 22
+STEP_CHUNK = chunks.STEP_ELEMENTS
 #: a chunk's elements are a multiple of this: of 4 (bf16's rounding takes four elements' draws
 #: from each 64-bit draw), and of the widest CPU vector loop's unit (2 x 16 float32 lanes, twice)
 ALIGN = 64
@@ -95,7 +96,7 @@ def rows_per_chunk(row: int, limit: int) -> int:
     """Rows of ``row`` elements stepped at once: at most ``limit`` elements (at least the
     alignment unit's rows), a multiple of ALIGN elements."""
     unit = ALIGN // math.gcd(max(row, 1), ALIGN)
-    return max(unit, limit // max(row, 1) // unit * unit)
+    return chunks.rows_per_chunk(row, limit, unit)
 
 
 def widened(grad: torch.Tensor, factors: list,

@@ -26,11 +26,12 @@ from typing import Optional
 
 import torch
 
+from .. import chunks
 from .thread_buffers import ThreadBuffers
 
 #: Elements rounded per batch of random integers: the integers (int32, and their 64-bit draws)
 #: are the only temporaries, 6 bytes an element of a batch, whatever the tensor's size.
-CHUNK = 1 << 20
+CHUNK = chunks.ROUND_ELEMENTS
 LOW_BITS = 1 << 16
 HIGH_MASK = -LOW_BITS  # 0xFFFF0000 as an int32
 

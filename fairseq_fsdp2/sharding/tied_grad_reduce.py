@@ -55,13 +55,14 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (  # private: 
     _get_gradient_divide_factors)
 from torch.distributed.tensor import DTensor, Shard
 
+from .. import chunks
 from ..options import tied_grad_buffer_on
 from .gloo_collectives import AllReduceReduceScatter
 from .narrow_grads import param_groups
 
 #: the reduce-scatter input built per call: at most this many bytes (one chunk of rows of
 #: every rank's shard), so that no second vocab x dim tensor exists
-ROW_CHUNK_BYTES = 64 * 2 ** 20
+ROW_CHUNK_BYTES = chunks.TIED_REDUCE_BYTES
 #: bytes of one gathered row index (int64)
 INDEX_BYTES = 8
 
@@ -92,7 +93,7 @@ def chunk_rows(shards: int, dim: int, element_bytes: int, shard_rows: int,
                limit: int = ROW_CHUNK_BYTES) -> int:
     """Rows of each rank's shard reduced per call: the input (shards x rows x dim) within
     ``limit`` bytes, at least one row."""
-    return max(1, min(shard_rows, limit // max(1, shards * dim * element_bytes)))
+    return max(1, min(shard_rows, chunks.rows_per_chunk(shards * dim * element_bytes, limit)))
 
 
 class TiedShardReducer:

@@ -18,6 +18,7 @@ from fairseq.optim import lr_scheduler
 from fairseq.trainer import Trainer
 from omegaconf import open_dict
 
+from .. import settings
 from ..checkpoint.full_state import copy_into_shard, install_optimizer_hooks
 from ..errors import CheckpointError, OutOfMemory, first_line
 from ..launch import heartbeat, run_context
@@ -171,14 +172,14 @@ class FSDP2Trainer(TrainerEMA, TrainerCheckpoints, Trainer):
 
     def _keeps_16_bit_grads(self) -> bool:
         """Whether the sharded gradients stay in the 16-bit reduce dtype (sharding/
-        narrow_grads.py): the optimizer's step takes them (optimizer/row_chunk_step.py), and
-        nothing adds gradients to them (--update-freq 1: no accumulation over micro-batches,
-        which would add in 16 bits), no --cpu-offload, no --fsdp2-fp32-grad-shards."""
+        narrow_grads.py) for the optimizer's step (optimizer/row_chunk_step.py):
+        settings.keeps_16_bit_grads decides, as for the estimator."""
         dt = self.cfg.distributed_training
         takes = getattr(self._optimizer.optimizer, "takes_16_bit_grads", None)
-        return mixed_precision.reduce_dtype(dt) != torch.float32 and takes is not None and \
-            takes() and list(self.cfg.optimization.update_freq) == [1] and \
-            not dt.cpu_offload and not getattr(dt, "fsdp2_fp32_grad_shards", False)
+        return settings.keeps_16_bit_grads(
+            str(getattr(dt, "fsdp2_reduce_dtype", "fp32") or "fp32"),
+            takes is not None and takes(), self.cfg.optimization.update_freq, dt.cpu_offload,
+            getattr(dt, "fsdp2_fp32_grad_shards", False))
 
     def clip_grad_norm(self, clip_norm):
         # The norm comes from optimizer/grad_norm.py (build_optimizer installs it under

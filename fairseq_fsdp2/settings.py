@@ -1,0 +1,67 @@
+"""The decisions a run's settings make, each in one place: the trainer and the optimizer act on
+them, the estimator (estimator/) predicts with them, and none of them states a rule again.
+
+What: pure functions of option values (plain strings, booleans and numbers, so that fairseq's
+config, an ``argparse.Namespace`` and the estimator's ``Setup`` all reach them alike):
+
+- ``moment_format``: how Adam's moments are stored between steps (optimizer/build.py,
+  adam_stats.py), from the three flags;
+- ``step_takes_16_bit_grads``: whether the optimizer's step can take 16-bit gradient shards
+  (optimizer/adam_stats.py, its row-chunked step: fairseq's Adam on local shards, not fp16
+  moments, which need their whole tensor's scale, nor amsgrad's third state);
+- ``keeps_16_bit_grads``: whether the sharded gradients stay in the 16-bit reduce dtype
+  (sharding/narrow_grads.py, installed by trainer/fsdp2_trainer.py): the step takes them, and
+  nothing adds gradients to them (``--update-freq 1``: accumulating over micro-batches would add
+  in 16 bits), no ``--cpu-offload``, no ``--fsdp2-fp32-grad-shards``;
+- ``row_chunked_step``: whether Adam steps a chunk of rows at a time (optimizer/
+  row_chunk_step.py): a step that can take 16-bit gradients, with bf16 or 8-bit moments, 16-bit
+  gradients, or a state saved in another format to widen.
+
+``sharding/tied_grad_reduce.applies`` (the tied embedding's early reduce) is the same kind of
+decision, kept beside the technique it switches. tests/test_settings.py checks that the
+estimator's decisions and the runtime's agree over the option combinations and that estimator/
+states none of these rules itself.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+#: Adam's moment formats between steps (--fp16-adam-stats, --bf16-adam-stats,
+#: --eight-bit-adam-stats; fp32: fairseq's own)
+MOMENT_FORMATS = ("fp32", "fp16", "bf16", "8bit")
+
+
+def moment_format(fp16: bool, bf16: bool, eight_bit: bool) -> str:
+    """Adam's moments between steps, from --fp16-adam-stats (fairseq's flag: first), then
+    --bf16-adam-stats, then --eight-bit-adam-stats (the plugin's); ``fp32`` without them."""
+    return "fp16" if fp16 else "bf16" if bf16 else "8bit" if eight_bit else "fp32"
+
+
+def step_takes_16_bit_grads(optimizer: str, moments: str, amsgrad: bool,
+                            local_shards: bool = True) -> bool:
+    """Whether the optimizer's step takes 16-bit gradient shards (and the factors
+    multiply_grads leaves pending for them): fairseq's Adam (``optimizer``: fairseq's name),
+    stepped on local shards (``local_shards=False``: the DTensor-dispatch reference), without
+    fp16 ``moments`` or ``amsgrad``."""
+    return optimizer == "adam" and local_shards and moments != "fp16" and not amsgrad
+
+
+def keeps_16_bit_grads(reduce_dtype: str, step_takes_them: bool,
+                       update_freq: Optional[Iterable[int]], cpu_offload: bool,
+                       fp32_grad_shards: bool) -> bool:
+    """Whether the sharded gradients stay in the 16-bit ``reduce_dtype`` (--fsdp2-reduce-dtype:
+    ``fp32``, ``fp16`` or ``bf16``) for a step that takes them (``step_takes_16_bit_grads``):
+    --update-freq 1 (None: fairseq's default, 1), no --cpu-offload, no
+    --fsdp2-fp32-grad-shards."""
+    return reduce_dtype != "fp32" and step_takes_them and \
+        list(update_freq or [1]) == [1] and not cpu_offload and not fp32_grad_shards
+
+
+def row_chunked_step(step_takes_16_bit: bool, moments: str, narrow_grads: bool,
+                     mixed_state: bool = False) -> bool:
+    """Whether Adam steps a chunk of rows at a time: a step that takes 16-bit gradients
+    (``step_takes_16_bit_grads``) with bf16 or 8-bit ``moments``, with 16-bit gradient shards
+    (``narrow_grads``), or with a ``mixed_state`` (one loaded in another format) to widen.
+    Otherwise float32 moments step as fairseq's Adam does, and fp16 ones (or amsgrad's) a bucket
+    of parameters at a time."""
+    return step_takes_16_bit and (moments != "fp32" or narrow_grads or mixed_state)

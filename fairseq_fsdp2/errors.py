@@ -12,6 +12,8 @@ from typing import Optional
 
 #: set to 1 for tracebacks (and argparse's usage) instead of one-line errors
 DEBUG_ENV = "FAIRSEQ_FSDP2_DEBUG"
+#: what the plugin's error lines start with: "fairseq_fsdp2: error: ...", as fairseq-train's
+PROG = "fairseq_fsdp2"
 
 
 def unwritable(directory: str) -> Optional[str]:

@@ -26,7 +26,6 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from ..errors import OptionError
 from ..launch.cli import owns_process, stop
 
-PROG = "fairseq_fsdp2"  # errors read "fairseq_fsdp2: error: ...", as from fairseq-train
 LEGACY_GROUPS = ("task", "model")
 
 

@@ -16,7 +16,7 @@ import os
 import sys
 from typing import NoReturn, Optional
 
-from ..errors import DEBUG_ENV, FSDP2Error, prints_bad_input
+from ..errors import DEBUG_ENV, PROG, FSDP2Error, prints_bad_input
 
 _started_by_plugin = False  # a rank spawn.py started: a process of the plugin's own
 
@@ -32,45 +32,41 @@ def owns_process() -> bool:
     plugin started, or a run that came through the ``cli_main`` of fairseq's training commands
     (``fairseq_cli.train``, ``fairseq_cli.hydra_train``: their console scripts, ``python -m``,
     torchrun's and SLURM's ranks, the plugin's hydra entry, a wrapper script calling one), not
-    as one job of a hydra sweep. Frames are walked with CPython's ``sys._getframe``: no public
-    API tells who called."""
+    as one job of a hydra sweep."""
     if _in_hydra_multirun():
         return False
     if _started_by_plugin:
         return True
-    entry_points = _training_commands()
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "cli_main" and os.path.abspath(code.co_filename) in entry_points:
-            return True
-        frame = frame.f_back
-    return False
+    return any(os.path.basename(path) in TRAINING_COMMANDS for path in _fairseq_cli_mains())
 
 
 def in_fairseq_command() -> bool:
     """Whether one of fairseq's command-line tools (any ``fairseq_cli`` module's ``cli_main``:
     fairseq-train, -generate, -validate, -interactive, ...) is running this code: its
     command-line errors end it, as argparse's own do (launch/parse_errors.py)."""
+    return next(_fairseq_cli_mains(), None) is not None
+
+
+#: the files of fairseq's training commands in fairseq_cli (``python -m fairseq_cli.train``
+#: runs its file as ``__main__``: another module object, the same file)
+TRAINING_COMMANDS = ("train.py", "hydra_train.py")
+
+
+def _fairseq_cli_mains():
+    """The files of the ``fairseq_cli`` modules whose ``cli_main`` is on the caller's stack,
+    innermost first. fairseq_cli's modules are not imported (its hydra_train warns about its
+    hydra decorator when imported): frames are matched by file, walked with CPython's
+    ``sys._getframe`` (no public API tells who called)."""
     import fairseq_cli
     package = os.path.dirname(os.path.abspath(fairseq_cli.__file__))
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
-        if code.co_name == "cli_main" and \
-                os.path.dirname(os.path.abspath(code.co_filename)) == package:
-            return True
+        if code.co_name == "cli_main":
+            path = os.path.abspath(code.co_filename)
+            if os.path.dirname(path) == package:
+                yield path
         frame = frame.f_back
-    return False
-
-
-def _training_commands() -> set[str]:
-    """The files of fairseq's training commands (``python -m fairseq_cli.train`` runs its file
-    as ``__main__``: another module object, the same file). Not imported: fairseq_cli's
-    hydra_train warns about its hydra decorator when imported."""
-    import fairseq_cli
-    package = os.path.dirname(os.path.abspath(fairseq_cli.__file__))
-    return {os.path.join(package, name) for name in ("train.py", "hydra_train.py")}
 
 
 def _in_hydra_multirun() -> bool:
@@ -88,7 +84,7 @@ def stop(error: FSDP2Error, owned: bool, *, leave_now: bool = False,
     if not owned or os.environ.get(DEBUG_ENV):
         raise error
     if not error.reported and (error.exit_status != 2 or prints_bad_input(local_rank)):
-        print(f"fairseq_fsdp2: error: {error}", file=sys.stderr, flush=True)
+        print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
     if leave_now:
         logging.shutdown()
         sys.stdout.flush()

@@ -19,11 +19,8 @@ from typing import Optional, Sequence
 from fairseq import options
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-from ..errors import FSDP2Error, report_bad_input
+from ..errors import PROG, FSDP2Error, report_bad_input
 from . import parse_errors, preflight, setup
-
-#: the name its error lines start with, as the ranks' (launch/cli.py)
-PROG = "fairseq_fsdp2"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -57,6 +57,7 @@ ABANDON_JOIN_S = 60
 class SaveAbandoned(Exception):
     """The run ended (after a failure) with this save in flight."""
 
+
 def describe_failure(error: BaseException, save_dir: Optional[str] = None) -> str:
     """What a failed save reports; for DCP's CheckpointException, which wraps each rank's
     failure, the first failing rank's error. A full disk says so, with the free space of

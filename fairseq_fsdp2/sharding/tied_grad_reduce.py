@@ -226,7 +226,7 @@ def _all_gather_rows(index: torch.Tensor, rows: torch.Tensor, group):
         return index, rows
     counts = torch.empty(size, dtype=torch.int64, device=index.device)
     dist.all_gather_single(counts, torch.tensor([index.numel()], device=index.device),
-                                group=group)
+                           group=group)
     most = int(counts.max())
     pad = most - index.numel()
     if pad:

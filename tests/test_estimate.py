@@ -262,13 +262,21 @@ def test_16_bit_reduction_halves_the_tracked_reduce_scatter_buffer(tmp_path):
         shared = next(u for u in profile.units
                       if set(profile.output_paths) & set(u.module_paths))
         first = next(u for u in profile.units if u.name == "encoder.layers.0")
-        return tracked, predicted, unit_sizes(shared, 2, 0)[1], unit_sizes(first, 2, 0)[1]
+        root = next(u for u in profile.units if u.name == "root")
+        return (tracked, predicted, unit_sizes(shared, 2, 0)[1], unit_sizes(first, 2, 0)[1],
+                unit_sizes(root, 2, 0)[1])
 
-    (fp32_tracked, fp32_predicted, padded, layer), (fp16_tracked, fp16_predicted, _, _) = \
+    (fp32_tracked, fp32_predicted, padded, layer, root), (fp16_tracked, fp16_predicted, *_) = \
         run("fp32"), run("fp16")
     print(f"max comm buffers, tracked / predicted: fp32 reduction {fp32_tracked} / "
           f"{fp32_predicted}, fp16 {fp16_tracked} / {fp16_predicted}")
     assert padded >= vocab * 64
-    assert fp32_tracked == fp32_predicted and fp16_tracked == fp16_predicted
+    assert fp16_tracked == fp16_predicted
+    # fp32: the root's reduce-scatter (its final layer norms: `root` elements, padded) and the
+    # shared unit's are both issued at the end of backward, and which input is freed first
+    # varies from run to run: a rank may hold both at once, exactly root x 4 bytes more (seen
+    # on rank 0 in 1 of 7 suite runs: 5,121,024 against 5,120,000). Either, to the byte.
+    for got, want in zip(fp32_tracked, fp32_predicted):
+        assert got in (want, want + root * 4), (fp32_tracked, fp32_predicted, root)
     assert fp32_predicted == [padded * 4] * 2
     assert fp16_predicted == [(padded + layer) * 2] * 2

@@ -16,7 +16,7 @@ import sys
 
 from .checkpoint.export import consolidate
 from .errors import CheckpointError, unwritable
-from .launch import quiet
+from .process import quiet
 
 
 def main(argv=None) -> int:

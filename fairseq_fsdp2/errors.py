@@ -1,7 +1,7 @@
 """Errors the plugin reports as one line (``fairseq_fsdp2: error: ...``), without a traceback
 unless FAIRSEQ_FSDP2_DEBUG=1: exit status 2 for bad input (stopped before any work), 1 for a
 failure during training (see TrainingStopped). Raised to the caller where the plugin does not own
-the process (launch/cli.py)."""
+the process (command_line/exits.py)."""
 from __future__ import annotations
 
 import errno
@@ -106,7 +106,7 @@ class TrainingStopped(FSDP2Error):
     """Training cannot go on: a rank was lost, memory ran out, a save failed. The work since the
     last checkpoint is lost, and the same command resumes from it. After a lost rank a training
     command leaves at once (``os._exit``): the other ranks may be inside a collective with it
-    (launch/lifecycle.py)."""
+    (process/lifecycle.py)."""
 
     exit_status = 1
 

@@ -27,7 +27,7 @@ from .errors import OptionError, report_bad_input
 from .estimator import from_args
 from .estimator.fit import largest_max_tokens
 from .estimator.peak import Estimate, format_summary
-from .launch import quiet
+from .process import quiet
 
 
 def estimate_args(argv: Sequence[str]) -> list[Estimate]:

@@ -33,9 +33,9 @@ from .errors import OptionError
 from .integration.hydra_config import (HydraConfigError, add_defaults_or_stop,
                                        check_fixed_group_overrides)
 from .integration.registration import install_hydra_add_defaults, install_hydra_main
-from .launch import quiet
-from .launch.cli import stop
-from .launch.run_context import forget_previous_runs
+from .command_line.exits import stop
+from .process import quiet
+from .process.run_context import forget_previous_runs
 
 
 #: fairseq's own config directory, where fairseq's hydra main looks for config.yaml
@@ -73,7 +73,7 @@ def cli_main() -> None:
     except HydraConfigError as e:  # the command's own line: one line, exit status 2
         stop(OptionError(str(e)), owned=True)
     # fairseq's hydra main (Hydra 1.0 config layout: deprecation notices at its import and
-    # when it runs) with hydra's notices about it silenced (launch/quiet.py)
+    # when it runs) with hydra's notices about it silenced (process/quiet.py)
     with quiet.silenced(quiet.HYDRA_DEPRECATIONS):
         from fairseq_cli import hydra_train  # what it imports is needed only here
 

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 from .errors import FSDP2Error, report_bad_input, unwritable
 from .memory.charts import plot_memory_log, read_memory_log
-from .launch import quiet
+from .process import quiet
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -12,7 +12,7 @@ backend, its options, the NLLB architectures) and then runs fairseq's own
     torchrun --nproc_per_node N -m fairseq_fsdp2.train DATA --user-dir MY_DIR ...
 
 As under ``fairseq-train``, the plugin owns the process (one-line errors and their exit status:
-launch/cli.py), since the run comes through fairseq's ``cli_main``. The hydra equivalent is
+command_line/exits.py), since the run comes through fairseq's ``cli_main``. The hydra equivalent is
 ``python -m fairseq_fsdp2.hydra_train`` with ``common.user_dir=MY_DIR``.
 """
 from __future__ import annotations

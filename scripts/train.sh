@@ -15,7 +15,7 @@ export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-65536}"
 # own log (fairseq's and hydra's import notes) is shown only if it fails otherwise
 status=0
 check="$(PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$root/.venv/bin/python" \
-  -m fairseq_fsdp2.launch.precheck "${NPROC:-2}" --user-dir "$root/fairseq_fsdp2" \
+  -m fairseq_fsdp2.command_line.before_torchrun "${NPROC:-2}" --user-dir "$root/fairseq_fsdp2" \
   --ddp-backend fsdp2 "$@" 2>&1)" || status=$?
 if (( status )); then
   grep '^fairseq_fsdp2: error:' <<<"$check" >&2 || printf '%s\n' "$check" >&2

@@ -20,7 +20,7 @@ from conftest import PLUGIN, REPO, TINY_MODEL, TRAINING, tmpfs
 from launcher import run_ranks
 
 from fairseq_fsdp2.checkpoint.export import consolidate
-from fairseq_fsdp2.launch import precheck
+from fairseq_fsdp2.command_line import before_torchrun
 
 FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", "--num-workers", "0"]
 PROBES = str(REPO / "tests" / "probes")
@@ -370,13 +370,13 @@ def test_train_sh_checks_the_command_line_before_torchrun(corpus, tmp_path):
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert (result.stdout + result.stderr).splitlines() == [
         "fairseq_fsdp2: error: --max-tokens must be >= 1, got 0"]
-    assert precheck.main(["2", *args, "--user-dir", PLUGIN, "--ddp-backend", "fsdp2"]) == 0
+    assert before_torchrun.main(["2", *args, "--user-dir", PLUGIN, "--ddp-backend", "fsdp2"]) == 0
     assert not save.exists()
 
 
-# --- every range preflight checks (launch/preflight.py NUMBER_RANGES) ---------------------------
+# --- every range preflight checks (command_line/preflight.py NUMBER_RANGES) ---------------------------
 # One bad value per checked flag, with the message the user reads. They run in this process
-# through precheck.main: the parsing, backend settling and checks scripts/train.sh runs before
+# through before_torchrun.main: the parsing, backend settling and checks scripts/train.sh runs before
 # torchrun and every rank runs again (setup.set_up_run); a command line stopped there ends as
 # the catalogue above shows end to end (one line, exit status 2), as the train.sh test does.
 NUMBER_CASES = [
@@ -416,7 +416,7 @@ def precheck_line(corpus, save, *flags) -> list:
 
 
 def test_every_checked_range_has_a_case_and_a_catalogue_row():
-    from fairseq_fsdp2.launch.preflight import NUMBER_RANGES
+    from fairseq_fsdp2.command_line.preflight import NUMBER_RANGES
     flags = [flag for flag, _, _ in NUMBER_CASES]
     assert sorted(flags) == sorted(row[2] for row in NUMBER_RANGES)
     assert sorted(EDGES[::2]) == sorted(flags)
@@ -428,7 +428,7 @@ def test_every_checked_range_has_a_case_and_a_catalogue_row():
 def test_a_number_out_of_its_range_stops_with_one_line(corpus, tmp_path, capsys, flag, value,
                                                        message):
     save = tmp_path / "ckpt"
-    status = precheck.main([str(a) for a in precheck_line(corpus, save, flag, value)])
+    status = before_torchrun.main([str(a) for a in precheck_line(corpus, save, flag, value)])
     out, err = capsys.readouterr()
     # the command's main returns its exit status (its __main__ block exits with it)
     assert status == 2 and err.splitlines() == [f"fairseq_fsdp2: error: {message}"], out + err
@@ -437,7 +437,7 @@ def test_a_number_out_of_its_range_stops_with_one_line(corpus, tmp_path, capsys,
 
 def test_numbers_at_the_edges_of_their_ranges_pass(corpus, tmp_path, capsys):
     save = tmp_path / "ckpt"
-    assert precheck.main([str(a) for a in precheck_line(corpus, save, *EDGES)]) == 0
+    assert before_torchrun.main([str(a) for a in precheck_line(corpus, save, *EDGES)]) == 0
     assert "error" not in capsys.readouterr().err
     assert not save.exists()
 

@@ -438,7 +438,7 @@ def test_meta_build_only_where_a_restart_has_weights_to_load(saved_run, tmp_path
     checkpoint) leave the model to be built in full, as fairseq then trains from scratch."""
     from types import SimpleNamespace
 
-    from fairseq_fsdp2.launch import preflight
+    from fairseq_fsdp2.command_line import preflight
 
     def will_load(save_dir):
         return preflight.weights_will_be_loaded(SimpleNamespace(checkpoint=SimpleNamespace(

@@ -1,4 +1,4 @@
-"""The end of a successful run (``launch/lifecycle.py``): every rank meets once more, closes the
+"""The end of a successful run (``process/lifecycle.py``): every rank meets once more, closes the
 run (the process group destroyed, the heartbeat thread stopped) and returns; the process then
 ends as any Python program does, running its exit handlers (fairseq's TensorBoard writers,
 wandb) once; rank 0 alone exports the consolidated checkpoints first, with no collective left

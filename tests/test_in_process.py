@@ -1,5 +1,5 @@
 """A run returns to its caller: programs that train in-process, a second run in the same
-process, and hydra sweeps (launch/lifecycle.py, launch/run_context.py, launch/cli.py).
+process, and hydra sweeps (process/lifecycle.py, process/run_context.py, command_line/exits.py).
 
 One Python program (tests/probes/in_process.py, a plain process: not a training command, so the
 plugin does not own it) trains, validates and generates with fairseq's own mains, trains again
@@ -259,12 +259,12 @@ def test_a_run_starts_without_the_best_score_and_patience_an_earlier_run_left_in
     """fairseq keeps the best validation score and --patience's count for the whole process
     (attributes of save_checkpoint and should_stop_early): a second run in a program would
     write checkpoint_best.pt only where it beat the first run, and stop early on the first
-    run's count. Opening a run forgets them (launch/run_context.forget_previous_runs); here in
+    run's count. Opening a run forgets them (process/run_context.forget_previous_runs); here in
     this process, with the records an earlier run would leave (no process group is made)."""
     import fairseq_cli.train as fairseq_train
     from fairseq import checkpoint_utils
 
-    from fairseq_fsdp2.launch import run_context
+    from fairseq_fsdp2.process import run_context
 
     records = [(checkpoint_utils.save_checkpoint, "best"),
                (fairseq_train.should_stop_early, "best"),

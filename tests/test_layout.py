@@ -1,7 +1,7 @@
 """The package's layout, computed from its source: no import cycle (imports inside functions
 count), no private name imported from another module, and the layers that
 docs/architecture.md draws hold (a module imports only its own folder or the layers below).
-The process is the caller's: only launch/cli.py and launch/sigterm.py (and ``__main__``
+The process is the caller's: only command_line/exits.py and process/sigterm.py (and ``__main__``
 blocks) end it, and only integration/registration.py changes fairseq's, torch's, hydra's or
 OmegaConf's modules and classes. Cheap: it parses the source and imports nothing."""
 from __future__ import annotations
@@ -114,7 +114,7 @@ def documented_layers() -> list[list[str]]:
 
 #: the modules that may end the process: the training commands' errors (one line and the exit
 #: status, where the plugin owns the process) and the SIGTERM handler's exit
-EXIT_OWNERS = {f"{PACKAGE}.launch.cli", f"{PACKAGE}.launch.sigterm"}
+EXIT_OWNERS = {f"{PACKAGE}.command_line.exits", f"{PACKAGE}.process.sigterm"}
 #: the one module that changes other libraries' modules and classes (the numbered patches)
 PATCH_OWNER = f"{PACKAGE}.integration.registration"
 PATCHED_LIBRARIES = ("fairseq", "fairseq_cli", "torch", "hydra", "omegaconf")
@@ -297,8 +297,8 @@ def test_the_process_checks_find_what_they_look_for(tmp_path):
                 "    quit()\n    raise SystemExit(2)\n    raise SystemExit\n"
                 "def g():\n    raise ValueError('fine')\n"
                 "if __name__ == '__main__':\n    sys.exit(f())\n",
-        "launch/__init__.py": "",
-        "launch/cli.py": "import sys\ndef stop():\n    sys.exit(2)\n",
+        "command_line/__init__.py": "",
+        "command_line/exits.py": "import sys\ndef stop():\n    sys.exit(2)\n",
         "b.py": "import fairseq.options\nimport torch.nn as nn\nfrom fairseq_cli import train\n"
                 "from hydra import utils as hu\nimport argparse\n"
                 "fairseq.options.parse_args_and_arch = None\n"

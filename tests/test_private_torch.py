@@ -385,9 +385,9 @@ PROBED: dict[str, tuple[str, Optional[Callable]]] = {
     "._orig_dtype": ("narrow_grads.py (written), tied_grad_reduce.py (read)",
                      on_fsdp2(_fsdp_state)),
     "torch.distributed.fsdp._fully_shard._fsdp_state": (
-        "launch/quiet.py: the module whose view-tensor warning a run silences",
+        "process/quiet.py: the module whose view-tensor warning a run silences",
         source_says("returned a view tensor")),
-    # launch/
+    # process/
     "torch.distributed.distributed_c10d._get_default_store": (
         "heartbeat.start: the default group's store", parameters()),
     "torch.distributed.distributed_c10d._set_pg_timeout": (

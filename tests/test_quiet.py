@@ -1,4 +1,4 @@
-"""Silence when all is well (launch/quiet.py): a training run, a hydra command and plot_memory
+"""Silence when all is well (process/quiet.py): a training run, a hydra command and plot_memory
 print no warning (Python's warnings, "XxxWarning: ...", and logging's, "| WARNING |") and no
 debug line under the default warning filters, and the run's filters are the exact ones it
 names, gone again after the run; the run says each of its messages once.
@@ -17,7 +17,7 @@ import pytest
 from conftest import REPO
 from launcher import ok, run_ranks, said_twice, train_inner
 
-from fairseq_fsdp2.launch import quiet
+from fairseq_fsdp2.process import quiet
 
 #: a Python warning as printed ("...: UserWarning: ..."), a logging warning as fairseq's format
 #: writes it ("2026-12-05 15:00:00 | WARNING | name | ...") and as hydra's job logging does

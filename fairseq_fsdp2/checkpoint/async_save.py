@@ -21,7 +21,7 @@ collectives (its plan, the gathering of write results); on the training group th
 interleave with FSDP2's all-gathers and reduce-scatters from the main thread. DCP's
 asynchronous save needs a CPU backend for them in any case (NCCL runs FSDP2 on GPUs).
 
-Why fairseq's own flag is switched off (``launch/setup.py``): fairseq would write its file with
+Why fairseq's own flag is switched off (``process/setup.py``): fairseq would write its file with
 iopath's asynchronous writer (which leaves files torch cannot read back), would skip the copy to
 ``checkpoint_last.pt``, and would not train at all without iopath installed.
 """
@@ -186,7 +186,7 @@ class PendingSave:
         """After a failure, at the run's end: the save's thread stops waiting (for DCP, whose
         collectives may never finish when a rank is gone, and for fairseq to name files) and
         writes no file; it is joined, so that no thread of the run outlives it (a daemon
-        thread still running at interpreter exit can abort the process: launch/heartbeat.py).
+        thread still running at interpreter exit can abort the process: process/heartbeat.py).
         Returns whether it ended within ``timeout`` seconds."""
         with self._lock:
             self._abandoned = True  # no file is written from now on
@@ -247,7 +247,7 @@ class PendingSave:
 
 class BackgroundSaves:
     """One run's background saves (``--write-checkpoints-asynchronously``), owned by its run
-    context (launch/run_context.py), which closes it when the run ends: the save in flight,
+    context (process/run_context.py), which closes it when the run ends: the save in flight,
     the process group of their collectives and the staging copies, reused from save to save."""
 
     def __init__(self) -> None:

@@ -11,7 +11,7 @@ from fairseq import options, tasks
 from fairseq.data import Dictionary
 
 from .. import settings
-from ..launch import preflight
+from ..command_line import preflight
 from ..sharding import tied_grad_reduce
 from ..errors import OptionError
 from ..options import (FSDP2_BACKEND, LEGACY_FSDP_BACKEND, check_reduce_dtype,

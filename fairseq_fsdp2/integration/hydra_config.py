@@ -24,7 +24,7 @@ from fairseq.dataclass.utils import omegaconf_no_object_check
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from ..errors import OptionError
-from ..launch.cli import owns_process, stop
+from ..command_line.exits import owns_process, stop
 
 LEGACY_GROUPS = ("task", "model")
 
@@ -170,7 +170,7 @@ def add_defaults(cfg: DictConfig) -> None:
 
 
 def add_defaults_or_stop(cfg: DictConfig) -> None:
-    """``add_defaults``, with a bad config reported as bad input (launch/cli.py decides: one
+    """``add_defaults``, with a bad config reported as bad input (command_line/exits.py decides: one
     line and exit status 2 for a single run, which the plugin's hydra entry owns; an
     OptionError for one job of a ``--multirun`` sweep, which hydra reports as the job's failure
     while the sweep goes on)."""

@@ -24,7 +24,8 @@ from hydra.core.config_store import ConfigStore
 
 from ..checkpoint.export import read_with_full_weights
 from ..checkpoint.safe_load import allow_fairseq_checkpoint_classes
-from ..launch import lifecycle, parse_errors, quiet, run_context
+from ..command_line import parse_errors
+from ..process import lifecycle, quiet, run_context
 from ..options import FSDP2DistributedTrainingConfig
 from ..sharding import meta_build
 from ..trainer.fsdp2_trainer import select_trainer
@@ -71,7 +72,7 @@ def install() -> None:
 
     # 3. Launch: fairseq_cli.train and hydra_train start through distributed_utils.call_main;
     #    wrap it to set up torchrun/single-process/gloo launches, check options first, tear the
-    #    run down when it ends and report failures (launch/lifecycle.py).
+    #    run down when it ends and report failures (process/lifecycle.py).
     original = fairseq_distributed_utils.call_main
     fairseq_distributed_utils.call_main = functools.wraps(original)(
         functools.partial(lifecycle.call_main, original))
@@ -84,7 +85,7 @@ def install() -> None:
     #    value's error, and fairseq turns --bf16 into --tpu, so `--fp16 --bf16` fails with
     #    "Cannot combine --fp16 and --tpu" and a traceback. FSDP2 runs, and a bad value of one of
     #    the plugin's own flags in any run, get the real error alone in one line, exit status 2
-    #    (launch/parse_errors.py).
+    #    (command_line/parse_errors.py).
     fairseq.options.parse_args_and_arch = functools.wraps(fairseq.options.parse_args_and_arch)(
         functools.partial(parse_errors.parse_args_and_arch, fairseq.options.parse_args_and_arch))
 
@@ -117,7 +118,7 @@ def install() -> None:
     #    reading an old checkpoint) builds its config with hydra.experimental's initialize and
     #    compose(strict=False) over config files written for Hydra 1.0, and Hydra 1.3 prints
     #    about 20 lines of deprecation notices each time, about fairseq's code, which the user
-    #    cannot act on. Silence exactly those (launch/quiet.py), during these two calls only
+    #    cannot act on. Silence exactly those (process/quiet.py), during these two calls only
     #    (initialize's config_path is relative to its caller: one frame more, said to hydra).
     fairseq_dataclass_utils.initialize = quiet.hydra_initialize_silenced(
         fairseq_dataclass_utils.initialize)

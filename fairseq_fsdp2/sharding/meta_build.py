@@ -32,7 +32,7 @@ RECIPES: dict[type, Callable[[nn.Module], dict[str, torch.Tensor]]] = {
 def build_model(fairseq_build_model, task, cfg, *args, on_meta: bool, **kwargs) -> nn.Module:
     """Stand-in for fairseq's FairseqTask.build_model (integration/registration.py):
     ``on_meta`` when an FSDP2 run will load the weights (its run context says so,
-    launch/run_context.py); otherwise fairseq's own build."""
+    process/run_context.py); otherwise fairseq's own build."""
     if not on_meta:
         return fairseq_build_model(task, cfg, *args, **kwargs)
     with torch.device("meta"):

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ..checkpoint import async_save, sharded
 from ..checkpoint.export import read_full_model
 from ..errors import CheckpointError, no_space_left
-from ..launch import run_context
+from ..process import run_context
 from ..checkpoint.full_state import broadcast_full_model
 from ..checkpoint.grow_embedding import checkpoint_dictionary, grown as grow_embedding, \
     more_rows, smaller_dictionary
@@ -124,7 +124,7 @@ class TrainerCheckpoints:
             # asks for) once its shards are complete: never a file naming incomplete shards
             state = fairseq_utils.move_to_cpu(self.state_dict())
             state["extra_state"].update(python_numbers(extra_state))
-            if isinstance(state.get("cfg"), dict):  # the flag as asked (launch/setup.py hid it)
+            if isinstance(state.get("cfg"), dict):  # the flag as asked (process/setup.py hid it)
                 state["cfg"]["checkpoint"]["write_checkpoints_asynchronously"] = True
             saves.add_file(filename, state)
             if os.path.basename(filename) == CRASH_FILE:

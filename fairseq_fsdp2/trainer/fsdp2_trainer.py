@@ -21,7 +21,7 @@ from omegaconf import open_dict
 from .. import settings
 from ..checkpoint.full_state import copy_into_shard, install_optimizer_hooks
 from ..errors import CheckpointError, OutOfMemory, first_line
-from ..launch import heartbeat, run_context
+from ..process import heartbeat, run_context
 from ..memory.breakdown import record_update
 from ..memory.monitor import MemoryMonitor, describe_last
 from ..optimizer import mixed_precision
@@ -70,7 +70,7 @@ class FSDP2Trainer(TrainerEMA, TrainerCheckpoints, Trainer):
             None if cfg.checkpoint.no_save else os.path.join(cfg.checkpoint.save_dir,
                                                              "memory.jsonl"),
             rank=self.data_parallel_rank)
-        # names a lost rank if a collective fails (launch/lifecycle.py reports it); the run
+        # names a lost rank if a collective fails (process/lifecycle.py reports it); the run
         # context stops it when the run ends
         run = run_context.current()
         self._heartbeat = None if run is None else run.start_heartbeat(

@@ -70,7 +70,7 @@ def defer_collective_timeouts() -> list:
     """Phase ``hang``: record the collective timeouts the plugin sets and keep torch's long one
     until ``apply`` (returned) is called at the hang's update, on every rank."""
     import torch.distributed as dist
-    from fairseq_fsdp2.launch import heartbeat
+    from fairseq_fsdp2.process import heartbeat
 
     recorded = []
     real_set, real_init = heartbeat.set_collective_timeout, dist.init_process_group

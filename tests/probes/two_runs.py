@@ -17,7 +17,7 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.distributed import utils as distributed_utils
 from fairseq_cli import train
 
-from fairseq_fsdp2.launch import run_context
+from fairseq_fsdp2.process import run_context
 
 
 def train_run(args) -> None:

@@ -1,4 +1,4 @@
-"""``python -m fairseq_fsdp2.launch.precheck NPROC FAIRSEQ_TRAIN_ARGS...``: the command line
+"""``python -m fairseq_fsdp2.command_line.before_torchrun NPROC FAIRSEQ_TRAIN_ARGS...``: the command line
 checked in one process before torchrun starts the ranks (scripts/train.sh).
 
 Under torchrun every rank would find the same bad input, and torchrun's agent would then report
@@ -20,7 +20,7 @@ from fairseq import options
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
 from ..errors import PROG, FSDP2Error, report_bad_input
-from . import parse_errors, preflight, setup
+from . import parse_errors, preflight
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -35,7 +35,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with warnings.catch_warnings():  # hydra's deprecation notes: the ranks print them anyway
             warnings.simplefilter("ignore")
             cfg = convert_namespace_to_omegaconf(args)
-        setup.trains_with_fsdp2(cfg)  # the backend flags settled as the ranks settle them
+        preflight.trains_with_fsdp2(cfg)  # the backend flags settled as the ranks settle them
         cfg.distributed_training.distributed_world_size = world_size
         preflight.check_options(cfg)
         preflight.check_launch(cfg, launched_per_rank=True, on_cuda=False)

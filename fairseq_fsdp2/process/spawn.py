@@ -4,7 +4,7 @@
 fairseq would spawn ranks that call ``main`` directly, without the plugin's launch path (one-line
 errors, the run's teardown, meta-device build, ``--heartbeat-timeout`` rendezvous). ``spawn``
 starts them instead, and each runs fairseq's ``call_main``, which integration/registration.py
-made ``lifecycle.call_main``. The plugin owns the processes it starts (cli.py).
+made ``lifecycle.call_main``. The plugin owns the processes it starts (command_line/exits.py).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import sys
 from typing import Callable
 
 from ..errors import RanksFailed
-from .cli import mark_started_by_plugin
+from ..command_line.exits import mark_started_by_plugin
 
 
 def spawn(cfg, main: Callable, kwargs: dict) -> None:
@@ -49,7 +49,7 @@ def _importable(main: Callable) -> Callable:
 
 def _spawned_rank(i: int, main: Callable, cfg, kwargs: dict, start_rank: int) -> None:
     # A fresh interpreter: importing this module imported the plugin, which installed itself
-    # into fairseq, so fairseq's call_main is the plugin's (launch.call_main).
+    # into fairseq, so fairseq's call_main is the plugin's (lifecycle.call_main).
     from fairseq.distributed import utils as distributed_utils
     mark_started_by_plugin()
     dt = cfg.distributed_training

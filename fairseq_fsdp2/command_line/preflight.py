@@ -11,6 +11,7 @@ task loads, on every rank alike) into one line.
 """
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from typing import Optional
@@ -21,7 +22,31 @@ from ..checkpoint import sharded
 from ..checkpoint.safe_load import read_checkpoint_file
 from ..errors import CheckpointError, OptionError, first_line, unwritable
 from ..hf.nllb_weights import INDEX, WEIGHTS, is_hf_source
-from ..options import validate
+from ..options import FSDP2_BACKEND, LEGACY_FSDP_BACKEND, validate
+
+logger = logging.getLogger(__name__)
+
+
+def trains_with_fsdp2(cfg) -> bool:
+    """Whether the run trains with FSDP2, its backend flags settled: ``--ddp-backend
+    fully_sharded`` (legacy, fairscale) becomes ``fsdp2``, and the ``--tpu`` fairseq makes of
+    ``--bf16`` is taken back; a real ``--tpu`` raises OptionError. Used by the run's setup
+    (process/setup.py) and by the check before torchrun starts (before_torchrun.py)."""
+    dt = cfg.distributed_training
+    if dt.ddp_backend == LEGACY_FSDP_BACKEND:
+        logger.info("--ddp-backend fully_sharded is served by PyTorch FSDP2 (fairseq_fsdp2); "
+                    "fairscale is not used")
+        dt.ddp_backend = FSDP2_BACKEND
+    if dt.ddp_backend != FSDP2_BACKEND:
+        return False
+    if cfg.common.tpu:
+        if not cfg.common.bf16:
+            raise OptionError("--tpu cannot be combined with --ddp-backend fsdp2")
+        # fairseq turns --bf16 into --tpu (bf16 was TPU-only there); FSDP2 serves bf16 itself.
+        cfg.common.tpu = False
+        dt.tpu = False
+    return True
+
 
 def check_launch(cfg, *, launched_per_rank: bool, on_cuda: bool) -> None:
     """Raise OptionError for a run that cannot start as asked."""

@@ -24,8 +24,8 @@ from omegaconf import open_dict
 
 from ..errors import OptionError, RankLostError, first_line
 from ..optimizer import kernels
-from ..options import FSDP2_BACKEND, LEGACY_FSDP_BACKEND
-from . import preflight, run_context, sigterm, slurm, torchrun
+from ..command_line import preflight
+from . import run_context, sigterm, slurm, torchrun
 from .run_context import RunContext
 
 logger = logging.getLogger(__name__)
@@ -33,33 +33,12 @@ logger = logging.getLogger(__name__)
 TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 
 
-def trains_with_fsdp2(cfg) -> bool:
-    """Whether the run trains with FSDP2, its backend flags settled: ``--ddp-backend
-    fully_sharded`` (legacy, fairscale) becomes ``fsdp2``, and the ``--tpu`` fairseq makes of
-    ``--bf16`` is taken back; a real ``--tpu`` raises OptionError. Used by set_up_run and by the
-    check before torchrun starts (precheck.py)."""
-    dt = cfg.distributed_training
-    if dt.ddp_backend == LEGACY_FSDP_BACKEND:
-        logger.info("--ddp-backend fully_sharded is served by PyTorch FSDP2 (fairseq_fsdp2); "
-                    "fairscale is not used")
-        dt.ddp_backend = FSDP2_BACKEND
-    if dt.ddp_backend != FSDP2_BACKEND:
-        return False
-    if cfg.common.tpu:
-        if not cfg.common.bf16:
-            raise OptionError("--tpu cannot be combined with --ddp-backend fsdp2")
-        # fairseq turns --bf16 into --tpu (bf16 was TPU-only there); FSDP2 serves bf16 itself.
-        cfg.common.tpu = False
-        dt.tpu = False
-    return True
-
-
 def set_up_run(cfg) -> Optional[RunContext]:
     """Fill in launch settings for the FSDP2 backend, check the options and open the run's
     context (and, on a rank, its process group). None for other backends (checked, then left
     to fairseq)."""
     dt = cfg.distributed_training
-    if not trains_with_fsdp2(cfg):
+    if not preflight.trains_with_fsdp2(cfg):
         preflight.check_fsdp2_only_options(cfg)
         preflight.check_other_backend_restore(cfg)
         return None

@@ -19,8 +19,8 @@ from typing import NoReturn, Sequence
 
 from ..errors import DEBUG_ENV, OptionError
 from ..options import PLUGIN_OPTIONS, SERVED_BACKENDS
-from .cli import in_fairseq_command, owns_process
-from .cli import stop as stop_with
+from .exits import in_fairseq_command, owns_process
+from .exits import stop as stop_with
 
 #: the plugin's own flags (options.PLUGIN_OPTIONS as argparse spells them)
 PLUGIN_FLAGS = frozenset("--" + key.replace("_", "-") for key in PLUGIN_OPTIONS)

@@ -6,11 +6,11 @@ Adam (0.9, 0.98) eps 1e-6, inverse_sqrt from 1e-7, label-smoothed cross-entropy 
 positions) with the plugin's memory settings on: every layer its own unit, the root resharded,
 the chunked loss.
 
-Standard library only, and run by path from the script (not ``-m``, which would import the
-package and fairseq: seconds): --help, --dry-run and bad input need no environment. A launch
-runs from a checkout (the repository holding this package): it brings ``.venv`` up to date
-with ``scripts/setup.sh``, prints the estimator's prediction for the command, then becomes
-torchrun.
+Standard library only, and run by path from the script: --help, --dry-run and bad input need
+no environment (importing the package would import fairseq: seconds). Not part of the installed
+package: a launch runs from a checkout (the repository holding this file), brings ``.venv`` up
+to date with ``scripts/setup.sh``, prints the estimator's prediction for the command, then
+becomes torchrun.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from typing import NoReturn, Optional, Sequence
 
 PROG = "finetune_nllb"
 #: the checkout this file is in (its .venv and scripts/)
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 SIZES = ("600m", "1.3b", "3.3b", "tiny")
 PRECISION_FLAGS = {"fp16": ["--memory-efficient-fp16"], "bf16": ["--bf16"], "fp32": []}
 

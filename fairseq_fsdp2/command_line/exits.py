@@ -4,10 +4,11 @@ process.
 The plugin owns the process when the run comes through one of fairseq's training commands
 (``fairseq-train``, ``fairseq-hydra-train``, ``python -m fairseq_cli.train``, ``python -m
 fairseq_fsdp2.hydra_train`` and its script, each also as a torchrun or SLURM rank) or runs on a
-rank the plugin started itself (spawn.py), and the run is not one job of a hydra ``--multirun``
-sweep. There an error ends the process with one ``fairseq_fsdp2: error: ...`` line and its
-status (2: bad input, 1: training stopped). Anywhere else (a Python program, a notebook, fairseq's own test helpers, a sweep) the
-error is raised, as an FSDP2Error the caller can catch, and the caller decides.
+rank the plugin started itself (process/spawn.py), and the run is not one job of a hydra
+``--multirun`` sweep. There an error ends the process with one ``fairseq_fsdp2: error: ...``
+line and its status (2: bad input, 1: training stopped). Anywhere else (a Python program, a
+notebook, fairseq's own test helpers, a sweep) the error is raised, as an FSDP2Error the caller
+can catch, and the caller decides.
 """
 from __future__ import annotations
 
@@ -18,11 +19,11 @@ from typing import NoReturn, Optional
 
 from ..errors import DEBUG_ENV, PROG, FSDP2Error, prints_bad_input
 
-_started_by_plugin = False  # a rank spawn.py started: a process of the plugin's own
+_started_by_plugin = False  # a rank process/spawn.py started: a process of the plugin's own
 
 
 def mark_started_by_plugin() -> None:
-    """In a rank process the plugin started (spawn.py): the plugin owns it."""
+    """In a rank process the plugin started (process/spawn.py): the plugin owns it."""
     global _started_by_plugin
     _started_by_plugin = True
 
@@ -43,7 +44,7 @@ def owns_process() -> bool:
 def in_fairseq_command() -> bool:
     """Whether one of fairseq's command-line tools (any ``fairseq_cli`` module's ``cli_main``:
     fairseq-train, -generate, -validate, -interactive, ...) is running this code: its
-    command-line errors end it, as argparse's own do (launch/parse_errors.py)."""
+    command-line errors end it, as argparse's own do (command_line/parse_errors.py)."""
     return next(_fairseq_cli_mains(), None) is not None
 
 

@@ -10,10 +10,10 @@
   Python program does; a program that trained in-process goes on (to validate, generate, or
   train again).
 - A failure is reported as one line with its exit status where the plugin owns the process,
-  and raised as an FSDP2Error elsewhere (cli.py); fairseq errors that mean bad input (missing
-  data) or a lost rank become one; any other error is raised as stock fairseq raises it. Only
-  a lost rank ends an owned process at once (``os._exit``): the other ranks may be stuck in a
-  collective with it.
+  and raised as an FSDP2Error elsewhere (command_line/exits.py); fairseq errors that mean bad
+  input (missing data) or a lost rank become one; any other error is raised as stock fairseq
+  raises it. Only a lost rank ends an owned process at once (``os._exit``): the other ranks may
+  be stuck in a collective with it.
 
 Other backends pass through untouched, after the checks of the plugin's options.
 """
@@ -28,7 +28,8 @@ import torch.distributed as dist
 from ..checkpoint.export import consolidate_at_end
 from ..errors import DEBUG_ENV, ExportFailed, FSDP2Error, OptionError, RankLostError, \
     TrainingStopped, first_line
-from . import cli, heartbeat, preflight, setup, spawn
+from ..command_line import exits, preflight
+from . import heartbeat, setup, spawn
 from .run_context import RunContext
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ def call_main(fairseq_call_main, cfg, main, **kwargs):
     """Stand-in for fairseq's call_main: runs FSDP2 runs as described above, leaves other
     backends to fairseq."""
     save_dir_existed = os.path.exists(cfg.checkpoint.save_dir)
-    owned = cli.owns_process()
+    owned = exits.owns_process()
     run: Optional[RunContext] = None
     try:
         run = setup.set_up_run(cfg)
@@ -66,7 +67,7 @@ def call_main(fairseq_call_main, cfg, main, **kwargs):
         if error is not e:
             error.__cause__ = e
         dt = cfg.distributed_training  # its device_id: the rank on this machine, once known
-        cli.stop(error, owned, leave_now=lost,
+        exits.stop(error, owned, leave_now=lost,
                  local_rank=dt.device_id if dt.distributed_init_method is not None else None)
     return None
 

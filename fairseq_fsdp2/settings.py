@@ -10,7 +10,7 @@ config, an ``argparse.Namespace`` and the estimator's ``Setup`` all reach them a
   (optimizer/adam_stats.py, its row-chunked step: fairseq's Adam on local shards, not fp16
   moments, which need their whole tensor's scale, nor amsgrad's third state);
 - ``keeps_16_bit_grads``: whether the sharded gradients stay in the 16-bit reduce dtype
-  (sharding/narrow_grads.py, installed by trainer/fsdp2_trainer.py): the step takes them, and
+  (sharding/sixteen_bit_grads.py, installed by trainer/fsdp2_trainer.py): the step takes them, and
   nothing adds gradients to them (``--update-freq 1``: accumulating over micro-batches would add
   in 16 bits), no ``--cpu-offload``, no ``--fsdp2-fp32-grad-shards``;
 - ``row_chunked_step``: whether Adam steps a chunk of rows at a time (optimizer/

@@ -263,7 +263,7 @@ def test_8_bit_adam_moments_take_a_byte_per_element_and_a_float32_per_block():
 
 def test_16_bit_gradient_shards_and_the_row_chunked_step():
     """--fsdp2-reduce-dtype fp16 with Adam (float32 or 8-bit moments): the trainer keeps the
-    reduce-scatter's 16-bit output as the sharded gradient (sharding/narrow_grads.py), 2 bytes
+    reduce-scatter's 16-bit output as the sharded gradient (sharding/sixteen_bit_grads.py), 2 bytes
     per element where FSDP2's cast made 4 (--fsdp2-fp32-grad-shards), and Adam steps a chunk of
     rows at a time, its 16-bit gradient widened a chunk at a time (row_chunk_step.py).
     NLLB-3.3B with the recipe's settings on 2 GPUs: at the tied embedding's reduce-scatter

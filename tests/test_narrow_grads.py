@@ -1,4 +1,4 @@
-"""Gradient shards kept in the 16-bit reduce dtype (sharding/narrow_grads.py) and the step that
+"""Gradient shards kept in the 16-bit reduce dtype (sharding/sixteen_bit_grads.py) and the step that
 takes them (optimizer/row_chunk_step.py): fairseq-train with ``--fsdp2-reduce-dtype bf16/fp16``
 against the same run with ``--fsdp2-fp32-grad-shards`` (FSDP2's default: the 16-bit
 reduce-scatter output cast to an fp32 shard), 2 ranks.
@@ -94,7 +94,7 @@ def test_16_bit_gradient_shards_train_bit_identical_to_fp32_shards(case, corpus,
 
 
 def test_fsdp2_keeps_the_reduce_dtype_gradient_shards():
-    """FSDP2's private state that sharding/narrow_grads.py sets (FSDPParamGroup._orig_dtype,
+    """FSDP2's private state that sharding/sixteen_bit_grads.py sets (FSDPParamGroup._orig_dtype,
     torch 2.13) still does what it did: two small models sharded alike on 2 ranks, bf16
     reduce-scatter, over two forward/backward passes (FSDP2's lazy initialization in
     between): the kept gradients are bf16 DTensors laid out like their parameters, equal to

@@ -317,7 +317,7 @@ def has(obj, *names: str) -> None:
 
 
 def _fsdp_state(unit, state, group) -> None:
-    """apply_plan.all_unsharded, narrow_grads.param_groups, tracker: the state's groups and
+    """units.all_unsharded, sixteen_bit_grads.param_groups, tracker: the state's groups and
     reshard setting (read and restored); tied_grad_reduce, narrow_grads: a group's settings."""
     assert isinstance(state._fsdp_param_groups, list) and state._fsdp_param_group is group
     assert isinstance(state._auto_reshard_after_forward, (bool, type(None)))
@@ -376,13 +376,13 @@ PROBED: dict[str, tuple[str, Optional[Callable]]] = {
         "tied_grad_reduce.py: the divisors of FSDP2's reduce-scatter, computed by FSDP2's rule",
         parameters("reduce_scatter_group", "all_reduce_group", "reduce_dtype", "device_type",
                    "factor", "force_sum_reduction_for_comms")),
-    "._get_fsdp_state": ("apply_plan.py, narrow_grads.py, memory/tracker.py: a unit's state",
+    "._get_fsdp_state": ("units.py, sixteen_bit_grads.py, memory/tracker.py: a unit's state",
                          on_fsdp2(lambda unit, state, group: callable_(unit._get_fsdp_state))),
-    "._fsdp_param_groups": ("apply_plan.py, narrow_grads.py", on_fsdp2(_fsdp_state)),
+    "._fsdp_param_groups": ("units.py, sixteen_bit_grads.py", on_fsdp2(_fsdp_state)),
     "._fsdp_param_group": ("memory/tracker.py: a unit's one group", on_fsdp2(_fsdp_state)),
-    "._auto_reshard_after_forward": ("apply_plan.all_unsharded: read, then restored",
+    "._auto_reshard_after_forward": ("units.all_unsharded: read, then restored",
                                      on_fsdp2(_fsdp_state)),
-    "._orig_dtype": ("narrow_grads.py (written), tied_grad_reduce.py (read)",
+    "._orig_dtype": ("sixteen_bit_grads.py (written), tied_grad_reduce.py (read)",
                      on_fsdp2(_fsdp_state)),
     "torch.distributed.fsdp._fully_shard._fsdp_state": (
         "process/quiet.py: the module whose view-tensor warning a run silences",

@@ -44,7 +44,7 @@ SETTINGS = {"fp32": ("fp32 moments", []),
             "bf16": ("--bf16-adam-stats", ["--bf16-adam-stats"]),
             "8bit": (EIGHT_BIT_FLAG, [EIGHT_BIT_FLAG]),
             # the optimizer step's memory settings: 8-bit moments and the bf16 gradient shards
-            # kept for the step (sharding/narrow_grads.py)
+            # kept for the step (sharding/sixteen_bit_grads.py)
             "8bit-bf16-grads": (" ".join(NARROW_FLAGS), NARROW_FLAGS)}
 COMMON = ["--bf16", "--log-interval", "1000"]
 #: imported by each rank first: prints an UPDATE line per update (its PREFIX; not imported

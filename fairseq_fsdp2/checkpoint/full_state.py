@@ -1,6 +1,6 @@
 """Loading full (unsharded) state, as stock fairseq checkpoints hold it, into an FSDP2-sharded
 model and optimizer: each tensor is cut into this rank's shard.
-(Full model tensors passed to ``load_state_dict`` are handled by ``apply.apply_plan``'s hook.)
+(Full model tensors passed to ``load_state_dict`` are handled by ``units.apply_plan``'s hook.)
 """
 from __future__ import annotations
 

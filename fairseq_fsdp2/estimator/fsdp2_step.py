@@ -25,7 +25,7 @@ class _FSDP2Step:
     compute dtype with --fsdp2-reduce-dtype fp16/bf16), kept until the next reduce-scatter or
     the end of backward. The reduce-scatter's output (this rank's shard) is the sharded
     gradient, cast to fp32 unless it stays in the 16-bit reduce dtype (sharding/
-    narrow_grads.py). With one rank, "all-gather" is a copy.
+    sixteen_bit_grads.py). With one rank, "all-gather" is a copy.
     """
 
     def __init__(self, profile: ModelProfile, setup: Setup, rank: int):

@@ -58,7 +58,7 @@ class Setup:
     ema_bytes: int = 0  # --store-ema: bytes of the EMA per parameter element (0: no EMA)
     reduce_dtype: str = "fp32"  # --fsdp2-reduce-dtype: fp32, or the 16-bit compute dtype
     # the sharded gradients stay in the 16-bit reduce dtype for the optimizer (sharding/
-    # narrow_grads.py; settings.keeps_16_bit_grads decides: narrow_grads_of in from_args.py)
+    # sixteen_bit_grads.py; settings.keeps_16_bit_grads decides: narrow_grads_of in from_args.py)
     narrow_grads: bool = False
     # the tied embedding's gradient reduced early into the shard, the lookups' rows exchanged
     # (sharding/tied_grad_reduce.py; its ``applies`` decides, setup_for in from_args.py)

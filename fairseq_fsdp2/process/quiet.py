@@ -17,7 +17,7 @@ forward output that requires grad is a view): with fairseq's transformer the vie
   features after ``x.transpose(0, 1)``;
 - a ``FairseqMultiModel`` root (``MultilingualTransformerModel``, latent depth's
   ``LatentMultilingualTransformerModel``): a task's call of a sub-model runs in the root's hooks
-  (sharding/apply_plan.py, ``route_direct_calls``) and returns that sub-model's output, the
+  (sharding/units.py, ``route_direct_calls``) and returns that sub-model's output, the
   transformer's tensors above;
 - the shared-embedding unit (``TiedGradLinear, TiedGradEmbedding``, or ``Linear, Embedding``
   without the tied-gradient buffer) in the chunked loss: the same tensors as the root.

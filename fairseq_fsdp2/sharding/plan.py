@@ -1,7 +1,7 @@
 """The sharding plan: which modules become FSDP2 units, with what reshard setting.
 
 Pure: it reads the model's structure and the options and returns data. No collectives, so it is
-unit-testable in one process; ``apply_plan.py`` turns a plan into ``fully_shard`` calls.
+unit-testable in one process; ``units.py`` turns a plan into ``fully_shard`` calls.
 
 Policy (all of it lives here):
 - fairseq's ``--min-params-to-wrap N``: each transformer layer (an element of a ``layers``
@@ -15,7 +15,7 @@ Policy (all of it lives here):
   ``FairseqMultiModel.models[pair]`` in multilingual_translation). The root's children that
   hold parameters are entries (a container child, a ModuleDict or ModuleList with no forward of
   its own, gives its children instead); a call of one while the root's forward is not running
-  goes through the root unit's FSDP2 forward hooks (``apply_plan.route_direct_calls``), so the
+  goes through the root unit's FSDP2 forward hooks (``units.route_direct_calls``), so the
   root's parameters are gathered for it and its gradients reduced after backward, as for a call
   of the root itself. Entries that are units themselves gather their own parameters.
 - A module reachable under several paths (an encoder shared by several language pairs, a

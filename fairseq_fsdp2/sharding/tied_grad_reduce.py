@@ -14,7 +14,7 @@ is copied into the input a chunk of rows at a time (ROW_CHUNK_BYTES), so no seco
 dim tensor exists. The input lookups' rows (at most the batch's tokens each) are kept as
 (index, rows) and exchanged at the end of backward: every rank all-gathers the indices and
 rows and adds those that fall in its shard. Then the shard is cast as FSDP2 casts its output
-(to the parameters' fp32, or kept in the 16-bit reduce dtype by narrow_grads.py) and becomes
+(to the parameters' fp32, or kept in the 16-bit reduce dtype by sixteen_bit_grads.py) and becomes
 the sharded parameter's ``.grad`` (a DTensor on its mesh and placements, as FSDP2 sets it;
 added to a gradient already there). The weight's unsharded gradient stays None, so FSDP2
 neither copies nor reduces it. FSDP2's divide factors are used for both parts, so the result
@@ -39,7 +39,7 @@ parallel training does): the early reduce is a collective at the projection's ba
 
 Private torch state read (marked; no public getter exists): the FSDP2 parameter group's divide
 factor settings and output dtype (``gradient_divide_factor``, ``force_sum_reduction_for_comms``,
-``_orig_dtype``, via narrow_grads.param_groups) and torch's ``_get_gradient_divide_factors``
+``_orig_dtype``, via sixteen_bit_grads.param_groups) and torch's ``_get_gradient_divide_factors``
 (torch 2.13, ``torch.distributed.fsdp._fully_shard._fsdp_collectives``), used rather than
 copied so the factors stay FSDP2's; tests/test_tied_early_reduce.py compares the gradient with
 FSDP2's own and fails if torch changes them.
@@ -58,7 +58,7 @@ from torch.distributed.tensor import DTensor, Shard
 from .. import chunks
 from ..options import tied_grad_buffer_on
 from .gloo_collectives import AllReduceReduceScatter
-from .narrow_grads import param_groups
+from .sixteen_bit_grads import param_groups
 
 #: the reduce-scatter input built per call: at most this many bytes (one chunk of rows of
 #: every rank's shard), so that no second vocab x dim tensor exists

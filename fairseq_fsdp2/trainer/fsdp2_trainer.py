@@ -30,8 +30,8 @@ from ..optimizer.build import build_optimizer
 from ..models import lora
 from ..options import (FSDP2_BACKEND, lora_modules, lora_scaling, lora_train_patterns,
                        tied_grad_buffer_on)
-from ..sharding import layerdrop, meta_build, narrow_grads, tied_grad_buffer, tied_grad_reduce
-from ..sharding.apply_plan import all_unsharded, apply_plan
+from ..sharding import layerdrop, meta_build, sixteen_bit_grads, tied_grad_buffer, tied_grad_reduce
+from ..sharding.units import all_unsharded, apply_plan
 from ..sharding.mesh import build_mesh
 from ..sharding.plan import ShardingPlan, build_plan
 from . import resume
@@ -163,7 +163,7 @@ class FSDP2Trainer(TrainerEMA, TrainerCheckpoints, Trainer):
         self._optimizer.optimizer.register_load_state_dict_pre_hook(self._load_sharded_optimizer)
         install_optimizer_hooks(self._optimizer.optimizer)
         if self._keeps_16_bit_grads():
-            narrow_grads.keep_reduce_dtype_grads(self.model)
+            sixteen_bit_grads.keep_reduce_dtype_grads(self.model)
             logger.info("gradient shards kept in the reduce dtype (--fsdp2-reduce-dtype) for "
                         "the optimizer: 2 bytes per parameter element fewer than fp32")
         self._lr_scheduler = lr_scheduler.build_lr_scheduler(self.cfg.lr_scheduler,
@@ -172,7 +172,7 @@ class FSDP2Trainer(TrainerEMA, TrainerCheckpoints, Trainer):
 
     def _keeps_16_bit_grads(self) -> bool:
         """Whether the sharded gradients stay in the 16-bit reduce dtype (sharding/
-        narrow_grads.py) for the optimizer's step (optimizer/row_chunk_step.py):
+        sixteen_bit_grads.py) for the optimizer's step (optimizer/row_chunk_step.py):
         settings.keeps_16_bit_grads decides, as for the estimator."""
         dt = self.cfg.distributed_training
         takes = getattr(self._optimizer.optimizer, "takes_16_bit_grads", None)
@@ -201,7 +201,7 @@ class FSDP2Trainer(TrainerEMA, TrainerCheckpoints, Trainer):
 
     def valid_step(self, sample, raise_oom=False):
         self._check_weights()
-        # --eval-bleu generates: ranks decode for different numbers of steps (apply_plan.py)
+        # --eval-bleu generates: ranks decode for different numbers of steps (units.py)
         generates = getattr(self.cfg.task, "eval_bleu", False)
         with all_unsharded(self.model) if generates else contextlib.nullcontext():
             return super().valid_step(sample, raise_oom)

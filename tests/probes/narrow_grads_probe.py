@@ -1,5 +1,5 @@
 """One rank of tests/test_narrow_grads.py's check of FSDP2's private state
-(sharding/narrow_grads.py), on gloo with the plugin's collectives. Prints one ``PROBE {json}``.
+(sharding/sixteen_bit_grads.py), on gloo with the plugin's collectives. Prints one ``PROBE {json}``.
 
 Two copies of a small model (rows that do not divide evenly over 2 ranks) sharded alike with a
 bf16 compute and reduce dtype; one keeps its gradient shards in the reduce dtype. The same
@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from probe_report import report_and_exit
 
 from fairseq_fsdp2.sharding import gloo_collectives
-from fairseq_fsdp2.sharding.narrow_grads import keep_reduce_dtype_grads
+from fairseq_fsdp2.sharding.sixteen_bit_grads import keep_reduce_dtype_grads
 
 
 def sharded(mesh, keep: bool) -> nn.Module:

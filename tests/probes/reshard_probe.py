@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from probe_report import report_and_exit
 
 import fairseq_fsdp2  # noqa: F401  (registration)
-from fairseq_fsdp2.sharding.apply_plan import all_unsharded, apply_plan
+from fairseq_fsdp2.sharding.units import all_unsharded, apply_plan
 from fairseq_fsdp2.sharding.mesh import build_mesh
 from fairseq_fsdp2.sharding.plan import build_plan
 

@@ -29,7 +29,7 @@ from probe_report import report_and_exit
 
 from fairseq_fsdp2.criterions.fused import fused_vocabulary_loss
 from fairseq_fsdp2.sharding import gloo_collectives, tied_grad_buffer, tied_grad_reduce
-from fairseq_fsdp2.sharding.narrow_grads import keep_reduce_dtype_grads
+from fairseq_fsdp2.sharding.sixteen_bit_grads import keep_reduce_dtype_grads
 
 PAD = 1
 UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}

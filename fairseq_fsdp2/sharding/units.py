@@ -1,4 +1,7 @@
-"""Turn a ShardingPlan into ``fully_shard`` calls on a device mesh."""
+"""The FSDP2 units a ShardingPlan describes, made with ``fully_shard`` on a device mesh
+(``apply_plan``); a sub-model's direct calls routed through the root's hooks
+(``route_direct_calls``); full tensors given to ``load_state_dict`` sharded; every unit kept
+unsharded while ranks generate for different numbers of steps (``all_unsharded``)."""
 from __future__ import annotations
 
 import contextlib

@@ -2,7 +2,7 @@
 """Side-by-side memory and speed benchmark (not a test): fairseq's stock legacy_ddp against the
 FSDP2 backend, on the same data and batch, at 1, 2 and 4 ranks on this machine (CPU, gloo).
 
-The configurations, what is measured and the report: fairseq_fsdp2/benchmarks/plans.py.
+The configurations, what is measured and the report: benchmarks/plans.py.
 Writes docs/benchmarks.md (tables, machine, versions) and docs/benchmark_memory.png.
 
   .venv/bin/python scripts/benchmark.py                 # the NLLB-shaped reduced model, 1/2/4 ranks
@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fairseq_fsdp2.benchmarks import plans  # noqa: E402
-from fairseq_fsdp2.benchmarks.harness import ROOT, SEQ, command_of  # noqa: E402
+from benchmarks import plans  # noqa: E402
+from benchmarks.harness import ROOT, SEQ, command_of  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

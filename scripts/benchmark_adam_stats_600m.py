@@ -2,7 +2,7 @@
 """Adam's moments in fp32, bf16 (--bf16-adam-stats) and 8 bits (--eight-bit-adam-stats) at the
 real NLLB-600M dimensions on 2 CPU ranks (not a test): each rank's peak resident memory from
 outside the process (GNU time) beside the estimator's prediction, and the seconds per update and
-of the optimizer step (fairseq_fsdp2/benchmarks/adam_stats_600m.py says what it runs).
+of the optimizer step (benchmarks/adam_stats_600m.py says what it runs).
 
 Replaces the section between the markers in docs/benchmarks.md.
 
@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fairseq_fsdp2.benchmarks import adam_stats_600m  # noqa: E402
-from fairseq_fsdp2.benchmarks.harness import ROOT, command_of  # noqa: E402
+from benchmarks import adam_stats_600m  # noqa: E402
+from benchmarks.harness import ROOT, command_of  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

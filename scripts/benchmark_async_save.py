@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Synchronous vs asynchronous checkpoints, side by side in one run (not a test): the same
 2-rank FSDP2 training, saving every few updates, once without and once with
-`--write-checkpoints-asynchronously`. What it measures: fairseq_fsdp2/benchmarks/async_save_run.py.
+`--write-checkpoints-asynchronously`. What it measures: benchmarks/async_save_run.py.
 Replaces the section between the markers in docs/benchmarks.md.
 
   .venv/bin/python scripts/benchmark_async_save.py      # about 5 minutes on 2 cores
@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fairseq_fsdp2.benchmarks import async_save_run  # noqa: E402
-from fairseq_fsdp2.benchmarks.harness import ROOT, command_of  # noqa: E402
+from benchmarks import async_save_run  # noqa: E402
+from benchmarks.harness import ROOT, command_of  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,7 +2,7 @@
 """LoRA (--lora-rank 16) against full fine-tuning (--eight-bit-adam-stats) at the real NLLB-600M
 dimensions on 2 CPU ranks (not a test): each rank's peak resident memory from outside the
 process (GNU time) beside the estimator's prediction, and words per second
-(fairseq_fsdp2/benchmarks/lora_600m.py says what it runs).
+(benchmarks/lora_600m.py says what it runs).
 
 Replaces the section between the markers in docs/benchmarks.md.
 
@@ -16,8 +16,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_adam_stats_600m import build_parser  # noqa: E402  (the same arguments)
-from fairseq_fsdp2.benchmarks import lora_600m  # noqa: E402
-from fairseq_fsdp2.benchmarks.harness import command_of  # noqa: E402
+from benchmarks import lora_600m  # noqa: E402
+from benchmarks.harness import command_of  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -9,7 +9,7 @@ shared embedding in one update (torch.profiler, tests/probes/count_all_gathers.p
 every rank). With --baseline-plugin DIR (a copy of an earlier fairseq_fsdp2, e.g.
 ``git archive main fairseq_fsdp2 | tar -x -C /tmp/old``) the earlier chunked loss (logits
 recomputed in backward) runs too, at the same chunk sizes. The sweep and its report:
-fairseq_fsdp2/benchmarks/loss_sweep.py.
+benchmarks/loss_sweep.py.
 
 Replaces the section between the markers in docs/benchmarks.md.
 
@@ -22,8 +22,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fairseq_fsdp2.benchmarks import loss_sweep  # noqa: E402
-from fairseq_fsdp2.benchmarks.harness import ROOT, SEQ, command_of  # noqa: E402
+from benchmarks import loss_sweep  # noqa: E402
+from benchmarks.harness import ROOT, SEQ, command_of  # noqa: E402
 
 #: The all-gather counter every rank imports (test code: tests/probes/).
 PROBE = ROOT / "tests" / "probes" / "count_all_gathers.py"

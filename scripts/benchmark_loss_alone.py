@@ -2,14 +2,14 @@
 In-process side-by-side timing of the vocabulary loss alone (projection + log-softmax +
 label-smoothed loss, forward + backward): stock formulas vs the fused chunked pass.
 Interleaved rounds, median per config; the ratio is what counts (machine shared).
-The timing: fairseq_fsdp2/benchmarks/loss_alone.py."""
+The timing: benchmarks/loss_alone.py."""
 import argparse
 import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fairseq_fsdp2.benchmarks import loss_alone  # noqa: E402
+from benchmarks import loss_alone  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How fast Adam's moments are stored in 16 and 8 bits, one CPU thread (not a test): quantize,
 dequantize, bf16 stochastic rounding and the plugin's whole optimizer step per moment format
-(fairseq_fsdp2/benchmarks/moment_storage.py says what it runs). Replaces the section between
+(benchmarks/moment_storage.py says what it runs). Replaces the section between
 the markers in docs/benchmarks.md.
 
   MALLOC_MMAP_THRESHOLD_=65536 .venv/bin/python scripts/benchmark_moment_storage.py  # ~1 min
@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fairseq_fsdp2.benchmarks import moment_storage  # noqa: E402
-from fairseq_fsdp2.benchmarks.harness import ROOT, command_of  # noqa: E402
+from benchmarks import moment_storage  # noqa: E402
+from benchmarks.harness import ROOT, command_of  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,7 +5,7 @@ per-layer, `--fsdp2-root-reshard always`, the fused chunked loss at the recipe's
 tied-gradient buffer, fp32, Adam, `--max-tokens 512` per rank.
 
 Reports each rank's measured peak next to the estimator's prediction for the same command line
-and the analytic floor (fairseq_fsdp2/benchmarks/nllb600m.py says what it holds). (The GPU
+and the analytic floor (benchmarks/nllb600m.py says what it holds). (The GPU
 predictions for the same model are tables of their own: scripts/predicted_tables.py.)
 
 Replaces the section between the markers in docs/benchmarks.md.
@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fairseq_fsdp2.benchmarks import nllb600m  # noqa: E402
-from fairseq_fsdp2.benchmarks.harness import ROOT, command_of  # noqa: E402
+from benchmarks import nllb600m  # noqa: E402
+from benchmarks.harness import ROOT, command_of  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

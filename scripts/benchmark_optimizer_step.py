@@ -1,14 +1,14 @@
 """(not a test; `.venv/bin/python scripts/benchmark_optimizer_step.py [--tensors N] [--elements N]
 [--steps N] [--adam-stats {fp16,bf16,8bit}]`) The CPU time of the optimizer's part of an update on
 FSDP2 parameters, DTensor dispatch against the local shards (and, with --adam-stats, 16-bit or
-8-bit Adam moments). What it measures and why: fairseq_fsdp2/benchmarks/optimizer_step.py.
+8-bit Adam moments). What it measures and why: benchmarks/optimizer_step.py.
 """
 import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fairseq_fsdp2.benchmarks import optimizer_step  # noqa: E402
+from benchmarks import optimizer_step  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

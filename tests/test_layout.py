@@ -3,11 +3,16 @@ count), no private name imported from another module, and the layers that
 docs/architecture.md draws hold (a module imports only its own folder or the layers below).
 The process is the caller's: only command_line/exits.py and process/sigterm.py (and ``__main__``
 blocks) end it, and only integration/registration.py changes fairseq's, torch's, hydra's or
-OmegaConf's modules and classes. Cheap: it parses the source and imports nothing."""
+OmegaConf's modules and classes. What lives beside the package in the checkout (benchmarks/,
+recipes/, scripts/, tests/) is neither installed nor imported by it. Cheap: it parses the source
+and imports nothing."""
 from __future__ import annotations
 
 import ast
+import fnmatch
 import re
+import sys
+import tomllib
 from pathlib import Path
 
 from conftest import REPO
@@ -118,10 +123,6 @@ EXIT_OWNERS = {f"{PACKAGE}.command_line.exits", f"{PACKAGE}.process.sigterm"}
 #: the one module that changes other libraries' modules and classes (the numbered patches)
 PATCH_OWNER = f"{PACKAGE}.integration.registration"
 PATCHED_LIBRARIES = ("fairseq", "fairseq_cli", "torch", "hydra", "omegaconf")
-#: the benchmarks' timers: they patch fairseq's Trainer in the benchmark's own rank processes
-#: (benchmarks/worker.py), never in a user's run; the benchmarks are to leave the installed
-#: package (issue 54, item 5), and this exception with them
-PATCH_EXEMPT = f"{PACKAGE}.benchmarks."
 EXIT_CALLS = {"sys.exit", "os._exit", "os.abort", "exit", "quit"}
 
 
@@ -199,7 +200,7 @@ def patches(modules: dict[str, Path]) -> list[str]:
     module, class or function of PATCHED_LIBRARIES, by assignment or setattr."""
     found = []
     for name, path in modules.items():
-        if name == PATCH_OWNER or name.startswith(PATCH_EXEMPT):
+        if name == PATCH_OWNER:
             continue
         tree = ast.parse(path.read_text(), str(path))
         names = _names_bound(tree)
@@ -226,12 +227,68 @@ def patches(modules: dict[str, Path]) -> list[str]:
     return sorted(found)
 
 
+def beside_the_package(top: Path) -> set[str]:
+    """The names a module could import the checkout's other Python by: each top-level folder
+    beside the package that holds Python (``benchmarks``, ``recipes``, ``scripts``, ``tests``)
+    and each module in one (its scripts put their own folder on sys.path: ``finetune_nllb``,
+    ``conftest``, ``launcher``); a standard library module's name means that module."""
+    names = set()
+    for folder in top.iterdir():
+        if folder.is_dir() and folder.name != PACKAGE and not folder.name.startswith(".") \
+                and any(folder.rglob("*.py")):
+            names.add(folder.name)
+            names.update(path.stem for path in folder.rglob("*.py") if path.stem != "__init__")
+    return names - set(sys.stdlib_module_names)
+
+
+def outside_imports(modules: dict[str, Path], outside: set[str]) -> list[str]:
+    """Where a module of the package imports (at any depth) a module named in ``outside``."""
+    found = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                heads = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                heads = [node.module.split(".")[0]]
+            else:
+                continue
+            found += [f"{name}:{node.lineno}: {head}" for head in heads if head in outside]
+    return sorted(found)
+
+
+def installed_packages(top: Path) -> list[str]:
+    """The packages pyproject.toml's setuptools configuration installs from ``top``: as
+    setuptools' ``packages.find`` finds them, every folder with an ``__init__.py`` under one
+    (a top-level one for the first), by its dotted name, where an ``include`` pattern matches."""
+    find = tomllib.loads((top / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    found = []
+    for init in sorted(top.rglob("__init__.py")):
+        parts = init.parent.relative_to(top).parts
+        if parts and all((top.joinpath(*parts[:i]) / "__init__.py").exists()
+                         for i in range(1, len(parts) + 1)):
+            name = ".".join(parts)
+            if any(fnmatch.fnmatchcase(name, pattern) for pattern in find["find"]["include"]):
+                found.append(name)
+    return found
+
+
 def test_only_the_command_line_owners_end_the_process():
     assert not exits(MODULES)
 
 
 def test_only_registration_changes_other_libraries():
     assert not patches(MODULES)
+
+
+def test_the_benchmarks_recipes_and_scripts_stay_outside_the_package():
+    """benchmarks/ (and its rank processes' timers, which patch fairseq's Trainer), the NLLB
+    recipe's driver, scripts/ and tests/ are not installed, and no module of the package imports
+    them: a user's run never loads them."""
+    outside = beside_the_package(REPO)
+    assert {"benchmarks", "recipes", "scripts", "tests", "harness", "finetune_nllb"} <= outside
+    assert not outside_imports(MODULES, outside)
+    installed = installed_packages(REPO)
+    assert PACKAGE in installed and all(p.split(".")[0] == PACKAGE for p in installed), installed
 
 
 def test_every_import_names_a_module_of_the_package():
@@ -323,3 +380,29 @@ def test_the_process_checks_find_what_they_look_for(tmp_path):
         f"{b}:9: torch.nn.Module.x", f"{b}:10: hydra.utils.?",
         f"{b}:12: fairseq.options.DistributedTrainingConfig.__annotations__",
         f"{b}:15: torch.nn.functional.w"])
+
+
+def test_the_outside_checks_find_what_they_look_for(tmp_path):
+    """On a made-up checkout: imports of the benchmarks and of a script's module are found
+    (inside a function too), the package's own and other libraries' are not; a package beside
+    the plugin is installed only where pyproject.toml's include lets it."""
+    sources = {
+        f"{PACKAGE}/__init__.py": "",
+        f"{PACKAGE}/a.py": "import os\ndef f():\n    from benchmarks.harness import launch\n",
+        f"{PACKAGE}/b.py": "import torch, finetune_nllb\nfrom . import a\n",
+        "benchmarks/__init__.py": "",
+        "benchmarks/harness.py": "",
+        "recipes/finetune_nllb.py": "",
+        "docs/page.md": "",
+        "pyproject.toml": '[tool.setuptools.packages.find]\ninclude = ["fairseq_fsdp2*"]\n',
+    }
+    for rel, text in sources.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    outside = beside_the_package(tmp_path)
+    assert outside == {"benchmarks", "harness", "recipes", "finetune_nllb"}
+    assert outside_imports(modules_under(tmp_path), outside) == [
+        f"{PACKAGE}.a:3: benchmarks", f"{PACKAGE}.b:1: finetune_nllb"]
+    assert installed_packages(tmp_path) == [PACKAGE]
+    (tmp_path / "pyproject.toml").write_text('[tool.setuptools.packages.find]\ninclude = ["*"]\n')
+    assert sorted(installed_packages(tmp_path)) == ["benchmarks", PACKAGE]

@@ -46,7 +46,7 @@ def recipe_run_described(info: dict, meta: dict) -> str:
 
 def floor_gb(model, world: int) -> dict:
     """The analytic floor per rank, by part (GiB)."""
-    from ..estimator.peak import cpu_baseline_bytes
+    from fairseq_fsdp2.estimator.peak import cpu_baseline_bytes
     params = sum(p.numel() for p in model.parameters())  # tied weights counted once
     embed = model.encoder.embed_tokens.weight
     vocab = embed.size(0)
@@ -61,7 +61,7 @@ def floor_gb(model, world: int) -> dict:
 
 def run(data: Path, work: Path, args) -> dict:
     """Predict, compute the floor, then train --updates updates on --ranks ranks: the row."""
-    from ..estimator import from_args
+    from fairseq_fsdp2.estimator import from_args
     train = train_args(data, NLLB_600M, recipe(args.chunk), args.max_tokens,
                        args.updates, work / "unused")
     prediction = predicted(train, args.ranks)

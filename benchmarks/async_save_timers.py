@@ -11,7 +11,7 @@ import time
 import fairseq.checkpoint_utils as checkpoint_utils
 from fairseq.trainer import Trainer
 
-from ..checkpoint import async_save, sharded
+from fairseq_fsdp2.checkpoint import async_save, sharded
 
 GIB = 2 ** 30
 

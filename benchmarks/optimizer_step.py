@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from ..optimizer.build import build_optimizer
+from fairseq_fsdp2.optimizer.build import build_optimizer
 
 NLLB_600M_TENSORS = 509
 

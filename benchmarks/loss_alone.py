@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
 
-from ..criterions.fused import fused_vocabulary_loss
+from fairseq_fsdp2.criterions.fused import fused_vocabulary_loss
 
 VOCAB = 256206
 

@@ -25,14 +25,14 @@ import statistics
 import time
 from pathlib import Path
 
-from ..estimator.from_args import build_meta_model, parse
+from fairseq_fsdp2.estimator.from_args import build_meta_model, parse
 from .harness import (launch, measured_or_saved, parse_records, replace_section,
                       stop_if_a_rank_failed, train_args, versions)
 
 BEGIN, END = "<!-- async-save: begin -->", "<!-- async-save: end -->"
 ASYNC = "--write-checkpoints-asynchronously"
 BACKGROUND = re.compile(r"wrote .* \(update (\d+)\) in the background, ([\d.]+) s after")
-TIMERS = "fairseq_fsdp2.benchmarks.async_save_timers"
+TIMERS = "benchmarks.async_save_timers"
 
 
 def model_flags(layers: int, dim: int) -> list[str]:

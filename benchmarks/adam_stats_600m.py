@@ -49,7 +49,7 @@ SETTINGS = {"fp32": ("fp32 moments", []),
 COMMON = ["--bf16", "--log-interval", "1000"]
 #: imported by each rank first: prints an UPDATE line per update (its PREFIX; not imported
 #: here, as importing it patches fairseq's Trainer)
-TIMERS = "fairseq_fsdp2.benchmarks.update_timers"
+TIMERS = "benchmarks.update_timers"
 UPDATE = "UPDATE "
 #: the times a run reports (timings), each the median over updates 2 onward
 TIMED = ("update_s", "step_s", "update_cpu_s", "step_cpu_s")

@@ -270,9 +270,9 @@ def main(args: argparse.Namespace, command: str) -> int:
                                     work, args.big_max_tokens, args.big_updates, args.timeout))
     print(f"benchmark: {time.time() - started:.0f}s", flush=True)
 
-    from ..estimator.from_args import build_meta_model, parse
-    from ..estimator.peak import cpu_baseline_bytes
-    from ..memory.charts import plot_benchmark
+    from fairseq_fsdp2.estimator.from_args import build_meta_model, parse
+    from fairseq_fsdp2.estimator.peak import cpu_baseline_bytes
+    from fairseq_fsdp2.memory.charts import plot_benchmark
 
     model = build_meta_model(parse(
         train_args(data, REDUCED, CONFIGS["legacy_ddp"], args.max_tokens, 1, work)))

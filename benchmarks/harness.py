@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 #: The repository: scripts/, docs/ (the reports' default place) and tests/probes/ are here.
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = str(ROOT / "fairseq_fsdp2")
 NLLB_VOCAB = 256_206
 WORDS = 20  # words per sentence; + </s> = 21 tokens, source and target
@@ -33,7 +33,7 @@ NLLB_600M = ["--arch", "transformer_nllb_600m"]
 
 #: What each rank runs: worker.py. -P keeps the working directory off sys.path, so the ranks
 #: import this checkout's package (PYTHONPATH, set by launch) wherever the script was started.
-WORKER = [sys.executable, "-P", "-m", "fairseq_fsdp2.benchmarks.worker"]
+WORKER = [sys.executable, "-P", "-m", "benchmarks.worker"]
 
 
 # -- data ------------------------------------------------------------------------------------
@@ -60,7 +60,7 @@ def make_corpus(root: Path, n_train: int) -> Path:
     out = root / "bin"
     if (out / "train.src-tgt.src.bin").exists():
         return out
-    from ..data.synthetic import write_random_corpus
+    from fairseq_fsdp2.data.synthetic import write_random_corpus
     return write_random_corpus(root, vocab=NLLB_VOCAB, words=WORDS, n_train=n_train,
                                prefix="tok")
 
@@ -155,7 +155,7 @@ def stop_if_a_rank_failed(results: list[tuple[int, str]], name: str = "") -> Non
 def predicted(train: list[str], world: int):
     """The estimator's prediction (estimator.peak.Estimate) for fairseq-train's arguments
     ``train`` on ``world`` ranks, with the synthetic corpus's sentence length."""
-    from ..estimator.from_args import estimates, parse
+    from fairseq_fsdp2.estimator.from_args import estimates, parse
     (prediction,) = estimates(parse(train + ["--world-size", str(world), "--seq-len", str(SEQ)]))
     return prediction
 
@@ -165,7 +165,7 @@ def worker(argv: list[str]) -> None:
     import fairseq_cli.train
     from fairseq.trainer import Trainer
 
-    from ..memory.monitor import MemoryMonitor
+    from fairseq_fsdp2.memory.monitor import MemoryMonitor
 
     original = Trainer.train_step
 

@@ -1,6 +1,6 @@
-"""Growing a pretrained model's vocabulary: data preparation (data/grow_vocab.py,
+"""Growing a pretrained model's vocabulary: data preparation (data/grown_vocab.py,
 data/spm_model.py) from fairseq files, the rule the embedding grows by
-(checkpoint/grow_embedding.py), --init-new-langs-from, and their one-line refusals.
+(checkpoint/grown_embedding.py), --init-new-langs-from, and their one-line refusals.
 The Hugging Face route: test_hf_add_langs.py; training on the grown rows:
 test_grown_embedding.py."""
 from __future__ import annotations
@@ -14,9 +14,9 @@ import sentencepiece as spm
 import torch
 from fairseq.data import Dictionary, data_utils
 
-from fairseq_fsdp2.checkpoint.grow_embedding import dictionary_problem, plan_rows
+from fairseq_fsdp2.checkpoint.grown_embedding import dictionary_problem, plan_rows
 from fairseq_fsdp2.data import numbers
-from fairseq_fsdp2.data.grow_vocab import GROWTH_FILE
+from fairseq_fsdp2.data.grown_vocab import GROWTH_FILE
 from fairseq_fsdp2.data.prepare import PrepareError, prepare, read_lines
 from fairseq_fsdp2.data.spm_model import add_pieces, train_spm
 from fairseq_fsdp2.errors import CheckpointError, OptionError

@@ -1,4 +1,4 @@
-"""Fine-tuning into a bigger shared embedding (checkpoint/grow_embedding.py), for real.
+"""Fine-tuning into a bigger shared embedding (checkpoint/grown_embedding.py), for real.
 
 A tiny "pretrained" model (FSDP2, 1 rank, 1 update) has a 56-row tied embedding; the data's
 dictionary is grown to 61 entries (a new language code __lat_Latn__ and four words). 61 divides
@@ -27,7 +27,7 @@ from conftest import PLUGIN, STOCK_DDP, TINY_MODEL
 from launcher import finish_ranks, ok, start_ranks
 from numerics import U32
 
-from fairseq_fsdp2.checkpoint.grow_embedding import plan_rows
+from fairseq_fsdp2.checkpoint.grown_embedding import plan_rows
 from fairseq_fsdp2.data.preprocess import run_preprocess
 from fairseq_fsdp2.hf.nllb_weights import FAIRSEQ_EMBEDDING
 from fairseq_fsdp2.options import new_lang_sources

@@ -6,7 +6,7 @@ test_hf_nllb.py) with a BPE SentencePiece model trained on English and French nu
 vocabulary for English -> Latin data: the dictionary keeps the hub's rows, then the two new
 language codes, the Latin pieces the hub's SentencePiece model lacks, fairseq's padding; the
 SentencePiece model and the tokenizer files (DEST/hf_tokenizer) are grown alike. A 2-rank
-FSDP2 fine-tune from the hub directory grows the embedding (checkpoint/grow_embedding.py);
+FSDP2 fine-tune from the hub directory grows the embedding (checkpoint/grown_embedding.py);
 ``consolidate --format hf`` writes a directory that transformers loads with the bigger
 vocab_size, whose AutoTokenizer splits Latin into the new pieces on the dictionary's rows, and
 whose greedy ``generate`` with the new language code forced first gives the fairseq model's
@@ -33,7 +33,7 @@ from test_hf_nllb import MAX_LEN, TINY, finish, reference
 from fairseq_fsdp2.models.nllb_languages import lang_of_token
 from fairseq_fsdp2.consolidate import main as consolidate_main
 from fairseq_fsdp2.data import numbers
-from fairseq_fsdp2.data.grow_vocab import GROWTH_FILE
+from fairseq_fsdp2.data.grown_vocab import GROWTH_FILE
 from fairseq_fsdp2.data.prepare import prepare, read_lines, train_spm
 from fairseq_fsdp2.hf import vocab as hf_vocab
 
@@ -207,7 +207,7 @@ def test_lora_from_the_hub_directory_with_added_languages(grown):
     embedding grows; every pretrained row and every other weight of the hub is kept bit for bit
     (the frozen base, saved once), while every added row trained, and so did every adapter."""
     from fairseq_fsdp2.checkpoint.export import lora_tensors
-    from fairseq_fsdp2.checkpoint.grow_embedding import plan_rows
+    from fairseq_fsdp2.checkpoint.grown_embedding import plan_rows
     from fairseq_fsdp2.hf.nllb_weights import FAIRSEQ_EMBEDDING, HFWeights
     from fairseq_fsdp2.options import new_lang_sources
     output = grown.lora_output
@@ -228,7 +228,7 @@ def test_lora_from_the_hub_directory_with_added_languages(grown):
         got = tensors[key][:rows] if key in FAIRSEQ_EMBEDDING else tensors[key]
         assert torch.equal(got, value), key
     # every added row trained (each takes part in the output projection's softmax) from where
-    # the load put it (checkpoint/grow_embedding.py's rule: the language codes eng_Latn's row)
+    # the load put it (checkpoint/grown_embedding.py's rule: the language codes eng_Latn's row)
     start = plan_rows(tokens, rows, new_lang_sources("eng_Latn")).grow(
         hub[FAIRSEQ_EMBEDDING[0]])
     assert all(not torch.equal(embedding[r], start[r]) for r in range(rows, len(tokens)))

@@ -18,7 +18,7 @@ of the data (copies of the one shared dictionary), ``dict.txt`` (the same), ``sp
 and the dictionary come from DIR: every token on the row HF's tokenizer gives it, the model's
 languages in its order (hf/vocab.py), and its tokenizer files go to DEST/hf_tokenizer (for the
 export back to Hugging Face). ``--add-langs``, ``--add-pieces`` and ``--train-pieces`` grow the
-vocabulary of a pretrained model (grow_vocab.py). Everything is written into a temporary
+vocabulary of a pretrained model (grown_vocab.py). Everything is written into a temporary
 directory next to DEST and renamed at the end, so a failed run leaves no half-written DEST
 behind.
 
@@ -39,7 +39,7 @@ import sentencepiece as spm
 from ..errors import report_bad_input, unwritable
 from ..hf.vocab import FILLER, dictionary_for
 from ..models.nllb_languages import NLLB200_LANGS
-from . import grow_vocab
+from . import grown_vocab
 from .dictionary import FAIRSEQ_SPECIALS, build_dictionary, read_dict_tokens
 from .inputs import SPLITS, Pair, PrepareError, discover_pairs, parse_pairs, plan_splits, \
     read_lines
@@ -101,7 +101,7 @@ def prepare(raw_dir: Path, dest: Path, *, lang_pairs: Optional[str] = None,
         read_dict_tokens(Path(dictionary))
     if train_pieces < 0 or padding_factor < 1:
         raise PrepareError("--train-pieces must be >= 0 and --padding-factor >= 1")
-    added = grow_vocab.parse_add_langs(add_langs)
+    added = grown_vocab.parse_add_langs(add_langs)
     growing = bool(added or add_pieces or train_pieces)
     if model_rows is not None and (dictionary is None or hf_model is not None):
         raise PrepareError("--model-rows applies to a model given by --spm-model and --dict "
@@ -116,9 +116,9 @@ def prepare(raw_dir: Path, dest: Path, *, lang_pairs: Optional[str] = None,
         except ValueError as e:
             raise PrepareError(f"--hf-model: {e}") from None
     if growing:
-        base = grow_vocab.base_vocabulary(hf_model, spm_model, dictionary, dict_langs,
+        base = grown_vocab.base_vocabulary(hf_model, spm_model, dictionary, dict_langs,
                                           model_rows)
-        grow_vocab.check_new_langs(base, added)
+        grown_vocab.check_new_langs(base, added)
         if add_pieces is not None:
             read_pieces_file(add_pieces)
 
@@ -163,9 +163,9 @@ def prepare(raw_dir: Path, dest: Path, *, lang_pairs: Optional[str] = None,
             new_text = [line for (pair, split) in plan if split == "train"
                         for lang in (pair.src, pair.tgt) if lang in added or not added
                         for line in read_lines(pair.raw(raw_dir, split, lang))]
-            pieces, origin = grow_vocab.pieces_to_add(base, add_pieces, train_pieces, new_text,
+            pieces, origin = grown_vocab.pieces_to_add(base, add_pieces, train_pieces, new_text,
                                                       work, seed)
-            model, growth = grow_vocab.grow(base, added, pieces, origin, work)
+            model, growth = grown_vocab.grow(base, added, pieces, origin, work)
         try:
             sp = spm.SentencePieceProcessor(model_file=str(model))
         except (OSError, RuntimeError) as e:
@@ -182,20 +182,20 @@ def prepare(raw_dir: Path, dest: Path, *, lang_pairs: Optional[str] = None,
             log(f"encoded {split} {pair.name}: {n} lines")
 
         if growth is not None:
-            grow_vocab.complete(growth, encoded_train, padding_factor)
+            grown_vocab.complete(growth, encoded_train, padding_factor)
             log(f"growing the model's {base.rows} rows by new language codes: "
                 f"{', '.join(growth.langs) or 'none'}; new pieces: {len(growth.pieces)}; "
                 f"pieces of the model's SentencePiece model not yet in its dictionary: "
                 f"{len(growth.listed)}; padding entries: {len(growth.padding)}")
             dict_lines = growth.dictionary_lines()
-            grow_vocab.write_outputs(growth, model, tmp)
+            grown_vocab.write_outputs(growth, model, tmp)
         else:
             dict_lines = hf_lines or build_dictionary(encoded_train, append_langs,
                                                       Path(dictionary) if dictionary else None)
             if model_rows is not None:  # the checkpoint's rows past the dictionary's: fillers
                 dict_lines = pad_to_rows(dict_lines, model_rows)
             if hf_model is not None:
-                grow_vocab.copy_hf_tokenizer(Path(hf_model), model, tmp)
+                grown_vocab.copy_hf_tokenizer(Path(hf_model), model, tmp)
         dict_path = tmp / "dict.txt"
         dict_path.write_text("".join(line + "\n" for line in dict_lines), encoding="utf-8")
         log(f"dictionary: {len(dict_lines) + len(FAIRSEQ_SPECIALS)} entries "

@@ -170,7 +170,7 @@ def open_checked(path: str, model_cfg, own_shapes: dict[str, tuple],
                  symbols: list[str]) -> HFWeights:
     """The weights of ``path``, checked against the model and its dictionary. An embedding
     with fewer rows than the model's is accepted when the dictionary begins with its rows
-    (the caller grows it: checkpoint/grow_embedding.py)."""
+    (the caller grows it: checkpoint/grown_embedding.py)."""
     weights = HFWeights(path)
     rows = weights.shape(FAIRSEQ_EMBEDDING[0])[0]
     own = {k: (rows, *v[1:]) if k in FAIRSEQ_EMBEDDING else v  # rows: the dictionary check

@@ -111,7 +111,7 @@ def dictionary_problem(source: Path, symbols: Sequence[str], rows: int) -> Optio
     """Why a fairseq dictionary does not line up with an HF model's rows (its first ``rows``
     entries: the model's own), or None."""
     fix = f"build the data with scripts/prepare_data.sh RAW DEST --hf-model {model_dir(source)}"
-    if len(symbols) < rows:  # more entries: a grown vocabulary (checkpoint/grow_embedding.py)
+    if len(symbols) < rows:  # more entries: a grown vocabulary (checkpoint/grown_embedding.py)
         return (f"the dictionary has {len(symbols)} entries and the model's embedding "
                 f"{rows} rows: {fix}")
     directory = model_dir(source)

@@ -26,7 +26,7 @@ from ..checkpoint.export import read_full_model
 from ..errors import CheckpointError, no_space_left
 from ..process import run_context
 from ..checkpoint.full_state import broadcast_full_model
-from ..checkpoint.grow_embedding import checkpoint_dictionary, grown as grow_embedding, \
+from ..checkpoint.grown_embedding import checkpoint_dictionary, grown as grow_embedding, \
     more_rows, smaller_dictionary
 from ..checkpoint.safe_load import python_numbers, read_checkpoint_file
 from ..checkpoint.shared_dir import check_shared
@@ -313,7 +313,7 @@ class TrainerCheckpoints:
 
     def _pretrained_weights(self, filename):
         """Rank 0: the full model's tensors by fairseq name, memory-mapped; the shared
-        embedding grown when the dictionary has more entries (grow_embedding.py)."""
+        embedding grown when the dictionary has more entries (grown_embedding.py)."""
         # the adapters start from their own initial values (broadcast_full_model skips
         # them): no source holds them, a LoRA checkpoint's come merged
         shapes = {k: v for k, v in sharded.model_shapes(self.model).items()

@@ -1,6 +1,6 @@
 """Fine-tuning into a bigger vocabulary: a pretrained model whose shared embedding has fewer
 rows than the data's dictionary (languages and pieces added by ``scripts/prepare_data.sh
---add-langs/--add-pieces``, data/grow_vocab.py).
+--add-langs/--add-pieces``, data/grown_vocab.py).
 
 The dictionary must begin with the model's rows, in the model's order: it is refused (one line)
 if it has fewer entries than the checkpoint has rows, if an entry differs from the checkpoint's
@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from ..data.grow_vocab import GROWTH_FILE, read_record
+from ..data.grown_vocab import GROWTH_FILE, read_record
 from ..errors import CheckpointError
 from ..hf.nllb_weights import FAIRSEQ_EMBEDDING
 from ..models.nllb_languages import lang_of_token

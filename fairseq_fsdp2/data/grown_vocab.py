@@ -14,7 +14,7 @@ SentencePiece model (spm_model.py), which encodes the data and becomes DEST/spm.
 (hf/tokenizer_files.py), for the export back to Hugging Face.
 
 DEST/vocab_growth.json records what was added where; fine-tuning reads it to check that the
-checkpoint has the rows the dictionary was grown from (checkpoint/grow_embedding.py).
+checkpoint has the rows the dictionary was grown from (checkpoint/grown_embedding.py).
 """
 from __future__ import annotations
 

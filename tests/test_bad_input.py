@@ -374,11 +374,11 @@ def test_train_sh_checks_the_command_line_before_torchrun(corpus, tmp_path):
     assert not save.exists()
 
 
-# --- every range preflight checks (command_line/preflight.py NUMBER_RANGES) ---------------------------
+# --- every range preflight checks (command_line/preflight.py NUMBER_RANGES) ------------------
 # One bad value per checked flag, with the message the user reads. They run in this process
-# through before_torchrun.main: the parsing, backend settling and checks scripts/train.sh runs before
-# torchrun and every rank runs again (setup.set_up_run); a command line stopped there ends as
-# the catalogue above shows end to end (one line, exit status 2), as the train.sh test does.
+# through before_torchrun.main: the parsing, backend settling and checks scripts/train.sh runs
+# before torchrun and every rank runs again (setup.set_up_run); a command line stopped there ends
+# as the catalogue above shows end to end (one line, exit status 2), as the train.sh test does.
 NUMBER_CASES = [
     ("--max-tokens", "-5", "--max-tokens must be >= 1, got -5"),
     ("--batch-size", "0", "--batch-size must be >= 1, got 0"),

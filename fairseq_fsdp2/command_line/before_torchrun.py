@@ -1,5 +1,5 @@
-"""``python -m fairseq_fsdp2.command_line.before_torchrun NPROC FAIRSEQ_TRAIN_ARGS...``: the command line
-checked in one process before torchrun starts the ranks (scripts/train.sh).
+"""``python -m fairseq_fsdp2.command_line.before_torchrun NPROC FAIRSEQ_TRAIN_ARGS...``: the
+command line checked in one process before torchrun starts the ranks (scripts/train.sh).
 
 Under torchrun every rank would find the same bad input, and torchrun's agent would then report
 the failed workers (its ``ChildFailedError``, about 60 lines). Checked here first, bad options

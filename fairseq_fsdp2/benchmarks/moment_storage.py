@@ -25,10 +25,10 @@ import torch
 from fairseq.optim.adam import FairseqAdamConfig
 from omegaconf import OmegaConf
 
-from ..optimizer import kernels
-from ..optimizer.blockwise_8bit import dequantize, quantize
+from ..optimizer.moments import kernels
+from ..optimizer.moments.blockwise_8bit import dequantize, quantize
 from ..optimizer.build import build_optimizer
-from ..optimizer.stochastic_round import to_bf16_stochastic
+from ..optimizer.moments.stochastic_round import to_bf16_stochastic
 from .harness import replace_section, versions
 
 BEGIN, END = "<!-- moment-storage: begin -->", "<!-- moment-storage: end -->"

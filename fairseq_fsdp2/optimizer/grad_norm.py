@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..sharding.mesh import comm_device
-from .local_shard_step import SIXTEEN_BIT_GRADS, multiply_grads
+from .local_shard_step import SIXTEEN_BIT_GRADS, mix_into, multiply_grads
 from .row_chunk_step import STEP_CHUNK, rows_per_chunk, widened
 
 
@@ -177,22 +177,9 @@ class GlobalGradNorm:
             self.optimizer.grad_factors = []  # the gradients they were for are gone
 
 
-_classes: dict[type, type] = {}
-
-
 def use_global_grad_norm(optimizer, local_shards: bool = True) -> None:
     """Make ``optimizer`` (a FairseqOptimizer) compute the global norm over DTensor gradients:
-    its class becomes a subclass with :class:`GlobalGradNorm` first (as ``fully_shard`` changes
-    a module's class)."""
+    its class becomes a subclass with :class:`GlobalGradNorm` first (mix_into)."""
     if not local_shards:
         optimizer.local_shards = False
-    cls = type(optimizer)
-    if issubclass(cls, GlobalGradNorm):
-        return
-    if cls not in _classes:
-        # the same name: fairseq's load_checkpoint refuses a saved optimizer state whose
-        # optimizer_name differs from the optimizer's class name (a stock checkpoint's Adam
-        # state must load into this Adam, and ours into stock fairseq's)
-        _classes[cls] = type(cls.__name__, (GlobalGradNorm, cls),
-                             {"__qualname__": cls.__qualname__})
-    optimizer.__class__ = _classes[cls]
+    mix_into(optimizer, GlobalGradNorm)

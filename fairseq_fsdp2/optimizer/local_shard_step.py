@@ -130,20 +130,22 @@ def multiply_grads(params: Iterable[torch.Tensor], c, pending: Optional[list] = 
 _classes: dict[tuple[type, type], type] = {}
 
 
-def mix_into(torch_optimizer: torch.optim.Optimizer, mixin: type,
-             optimizers: frozenset) -> bool:
-    """Give ``torch_optimizer`` the ``mixin`` if its class is among ``optimizers`` (module,
-    class name); returns whether it has it. The class becomes a subclass of the same name (as
-    ``fully_shard`` changes a module's class; the name is what fairseq and torch show)."""
-    cls = type(torch_optimizer)
+def mix_into(optimizer, mixin: type, optimizers: Optional[frozenset] = None) -> bool:
+    """Give ``optimizer`` (a torch optimizer, or fairseq's around one) the ``mixin`` if its
+    class is among ``optimizers`` (module, class name; None: any); returns whether it has it.
+    The class becomes a subclass of the same name (as ``fully_shard`` changes a module's class;
+    the name is what fairseq and torch show, and fairseq's load_checkpoint refuses a saved
+    optimizer state whose optimizer_name is not the optimizer's class name). The one way the
+    step's parts are mixed in (build.py composes them)."""
+    cls = type(optimizer)
     if issubclass(cls, mixin):
         return True
-    if (cls.__module__, cls.__name__) not in optimizers:
+    if optimizers is not None and (cls.__module__, cls.__name__) not in optimizers:
         return False
     if (mixin, cls) not in _classes:
         _classes[mixin, cls] = type(cls.__name__, (mixin, cls), {
             "__qualname__": cls.__qualname__, "__module__": cls.__module__})
-    torch_optimizer.__class__ = _classes[mixin, cls]
+    optimizer.__class__ = _classes[mixin, cls]
     return True
 
 

@@ -95,9 +95,10 @@ def report(seconds: dict, info: dict, meta: dict) -> str:
              f"interleaved rounds. The optimizer step: the plugin's Adam "
              f"(`optimizer/build.py`) over that one parameter, moments widened, stepped and "
              f"stored again (`optimizer/adam_stats.py`). 8-bit rows: "
-             + (f"the C++ kernel (`optimizer/kernels.py`; its {meta.get('loops', 'plain')} "
-                f"loops, the best this CPU runs), unless marked eager (the tensor operations it "
-                f"replaces) or plain (its loops for any CPU)." if meta.get("kernel") else
+             + (f"the C++ kernel (`optimizer/moments/kernels.py`; its "
+                f"{meta.get('loops', 'plain')} loops, the best this CPU runs), unless marked "
+                f"eager (the tensor operations it replaces) or plain (its loops for any "
+                f"CPU)." if meta.get("kernel") else
                 "no C++ kernel was built: every row is the eager tensor operations."), "",
              "| operation | seconds | against the step with float32 moments |", "|---|---:|---:|"]
     lines += [f"| {name} | {s:.4f} | {s / fp32:.2f}x |" for name, s in seconds.items()]

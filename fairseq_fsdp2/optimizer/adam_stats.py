@@ -52,7 +52,7 @@ class Held:
         self.tensor = tensor
 
 
-def _hold_16_bit(optimizer: torch.optim.Optimizer, state_dict: dict) -> Optional[dict]:
+def _hold_narrow(optimizer: torch.optim.Optimizer, state_dict: dict) -> Optional[dict]:
     """load_state_dict pre-hook: wrap the 16-bit (8-bit) moments laid out like their parameter
     (a stock checkpoint's full tensors for sharded parameters are not: full_state.py cuts
     those, in float32)."""
@@ -88,7 +88,7 @@ BUCKET_MIN = 1 << 22
 KEEP_MAX = 1 << 20
 
 
-class SixteenBitMoments(RowChunkSteps):
+class StoredMoments(RowChunkSteps):
     """Mixin for fairseq's Adam (a torch optimizer): its moments stored in the format
     ``moments`` between steps (float32: as fairseq keeps them; a state of another format
     loaded from a checkpoint is widened at its next step)."""
@@ -243,7 +243,7 @@ class SixteenBitMoments(RowChunkSteps):
         # once: the trainer's hook loads again inside this call, while torch iterates the hooks
         handle = None
         if self._hold_hook is None:
-            self._hold_hook = handle = self.register_load_state_dict_pre_hook(_hold_16_bit)
+            self._hold_hook = handle = self.register_load_state_dict_pre_hook(_hold_narrow)
         try:
             super().load_state_dict(state_dict)
         finally:
@@ -273,7 +273,7 @@ def use_16_bit_moments(torch_optimizer: torch.optim.Optimizer, stats: str = "fp3
     (``fp32``, ``fp16``, ``bf16``, ``8bit``: moments.FORMATS); returns whether it is Adam.
     Every Adam gets the mixin, so that a 16-bit or 8-bit state loaded into a float32 run is
     widened."""
-    if not mix_into(torch_optimizer, SixteenBitMoments, ELEMENTWISE):
+    if not mix_into(torch_optimizer, StoredMoments, ELEMENTWISE):
         return False
     torch_optimizer.moments = moments.named(stats)
     torch_optimizer.local_shards = local_shards

@@ -142,7 +142,7 @@ class _Moment:
 
 
 class RowChunkSteps:
-    """Mixin for fairseq's Adam under SixteenBitMoments (adam_stats.py): ``step_in_row_chunks``
+    """Mixin for fairseq's Adam under StoredMoments (adam_stats.py): ``step_in_row_chunks``
     steps every parameter with a gradient a chunk of rows at a time, its moments kept in the
     run's format (``moments``; parameters too small for 8 bits keep float32)."""
 

@@ -126,8 +126,8 @@ class StoredMoments(RowChunkSteps):
     def step(self, closure=None):
         narrow_grads = any(p.grad is not None and p.grad.dtype in SIXTEEN_BIT_GRADS
                            for group in self.param_groups for p in group["params"])
-        if self.moments is FP32 and not self.mixed_state_loaded and not narrow_grads:
-            return super().step(closure)
+        if not self.moments.widened_bytes and not self.mixed_state_loaded and not narrow_grads:
+            return super().step(closure)  # stepped where stored, nothing to convert: fairseq's
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -221,7 +221,9 @@ class StoredMoments(RowChunkSteps):
                 wide = value if not self.local_shards else local_part(value)
                 generator = self._generator(index, k, p, local_part(value).device) \
                     if fmt.draws else None
-                if old is not None:  # 8 bits: the block maxima written where they were
+                if old is not None:  # into the tensors kept through the step: a side decided
+                    # beforehand (fp16's scale) is the new one, else the format writes its own
+                    # where it was (8 bits' block maxima)
                     fmt.narrow(wide, key, generator, dest=old[1],
                                side=old[3] if side is None else side)
                     stored, side = old[0], old[2] if side is None else side

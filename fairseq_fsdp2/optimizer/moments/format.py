@@ -19,6 +19,7 @@ DTensor laid out as it was given.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -128,10 +129,7 @@ class MomentFormat:
 
     def moment_bytes(self, shape: Sequence[int], rows: int) -> int:
         """Bytes one moment keeps for ``rows`` rows of a parameter of (whole) ``shape``."""
-        row = 1
-        for n in shape[1:]:
-            row *= n
-        return self.element_bytes * rows * row
+        return self.element_bytes * rows * math.prod(shape[1:])
 
     def narrow_bytes(self, elements: int) -> int:
         """Bytes of temporaries while narrowing a chunk of ``elements`` (besides its values)."""

@@ -25,10 +25,10 @@ import torch
 from fairseq.optim.adam import FairseqAdamConfig
 from omegaconf import OmegaConf
 
-from fairseq_fsdp2.optimizer import kernels
-from fairseq_fsdp2.optimizer.blockwise_8bit import dequantize, quantize
+from fairseq_fsdp2.optimizer.moments import kernels
+from fairseq_fsdp2.optimizer.moments.blockwise_8bit import dequantize, quantize
 from fairseq_fsdp2.optimizer.build import build_optimizer
-from fairseq_fsdp2.optimizer.stochastic_round import to_bf16_stochastic
+from fairseq_fsdp2.optimizer.moments.stochastic_round import to_bf16_stochastic
 from .harness import replace_section, versions
 
 BEGIN, END = "<!-- moment-storage: begin -->", "<!-- moment-storage: end -->"
@@ -95,9 +95,10 @@ def report(seconds: dict, info: dict, meta: dict) -> str:
              f"interleaved rounds. The optimizer step: the plugin's Adam "
              f"(`optimizer/build.py`) over that one parameter, moments widened, stepped and "
              f"stored again (`optimizer/adam_stats.py`). 8-bit rows: "
-             + (f"the C++ kernel (`optimizer/kernels.py`; its {meta.get('loops', 'plain')} "
-                f"loops, the best this CPU runs), unless marked eager (the tensor operations it "
-                f"replaces) or plain (its loops for any CPU)." if meta.get("kernel") else
+             + (f"the C++ kernel (`optimizer/moments/kernels.py`; its "
+                f"{meta.get('loops', 'plain')} loops, the best this CPU runs), unless marked "
+                f"eager (the tensor operations it replaces) or plain (its loops for any "
+                f"CPU)." if meta.get("kernel") else
                 "no C++ kernel was built: every row is the eager tensor operations."), "",
              "| operation | seconds | against the step with float32 moments |", "|---|---:|---:|"]
     lines += [f"| {name} | {s:.4f} | {s / fp32:.2f}x |" for name, s in seconds.items()]

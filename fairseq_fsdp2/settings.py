@@ -5,7 +5,7 @@ What: pure functions of option values (plain strings, booleans and numbers, so t
 config, an ``argparse.Namespace`` and the estimator's ``Setup`` all reach them alike):
 
 - ``moment_format``: how Adam's moments are stored between steps (optimizer/build.py,
-  adam_stats.py), from the three flags;
+  adam_stats.py; the formats themselves: optimizer/moments/), from the three flags;
 - ``step_takes_16_bit_grads``: whether the optimizer's step can take 16-bit gradient shards
   (optimizer/adam_stats.py, its row-chunked step: fairseq's Adam on local shards, not fp16
   moments, which need their whole tensor's scale, nor amsgrad's third state);
@@ -27,7 +27,9 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 #: Adam's moment formats between steps (--fp16-adam-stats, --bf16-adam-stats,
-#: --eight-bit-adam-stats; fp32: fairseq's own)
+#: --eight-bit-adam-stats; fp32: fairseq's own): optimizer/moments/ registers one format of
+#: each name, and the rules below agree with what each says of itself
+#: (tests/test_moment_formats.py)
 MOMENT_FORMATS = ("fp32", "fp16", "bf16", "8bit")
 
 

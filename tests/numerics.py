@@ -117,7 +117,7 @@ def adam_step_bound(step: int, betas=(0.9, 0.999)) -> float:
 #: place, 2^-7 (twice bf16's unit roundoff).
 FP16_MOMENT = U16 + 3 * U32
 BF16_MOMENT = 2 * U_BF16
-#: 8-bit moments (optimizer/blockwise_8bit.py), per store, relative to the largest element of
+#: 8-bit moments (optimizer/moments/blockwise_8bit.py), per store, relative to the largest element of
 #: the value's block (not to the value): the largest gap of the dynamic map, where a
 #: stochastically rounded code may land, 0.9 / 64 for the signed map (the first moment) and
 #: 0.9 / 128 for the unsigned one, up to the float32 rounding of the map's values (a few U32:

@@ -1,5 +1,5 @@
 """Adam's moments in 8 bits between steps (``--eight-bit-adam-stats``: optimizer/adam_stats.py,
-the format in optimizer/blockwise_8bit.py).
+the format in optimizer/moments/blockwise_8bit.py).
 
 In one process: the plugin's Adam and a float32 Adam fed the same gradients, every element of
 both moments and of the parameter within a bound derived from the block-wise quantization after
@@ -43,7 +43,8 @@ from moment_bounds import (assert_8_bit_second_moment_decays, assert_8_bit_steps
 from numerics import U32, assert_within_noise, per_update
 from scenarios import shard_tensors
 
-from fairseq_fsdp2.optimizer.blockwise_8bit import BLOCK, dequantize, dynamic_map, quantize
+from fairseq_fsdp2.optimizer.moments.blockwise_8bit import (BLOCK, dequantize, dynamic_map,
+                                                            quantize)
 
 
 def test_the_maps_are_bitsandbytes_dynamic_maps():

@@ -343,7 +343,7 @@ def test_dry_run_installs_offline_from_wheels_alone_and_writes_the_report(tmp_pa
     prepared = json.loads((tmp_path / "w" / "PREPARED.json").read_text())
     names = sorted(n.split("-")[0] for n in prepared["files"])
     # protobuf: pinned in requirements.txt for editing SentencePiece models (data/spm_model.py);
-    # ninja: pinned there to build the 8-bit kernel (optimizer/kernels.py); the image's list
+    # ninja: pinned there to build the 8-bit kernel (optimizer/moments/kernels.py); the image's list
     # (gpu_check.sh) names neither, so .whl/ carries them
     assert names == ["antlr4_python3_runtime", "bitarray", "cffi", "fairseq_fixed", "hydra_core",
                      "ninja", "omegaconf", "protobuf", "pycparser"], prepared

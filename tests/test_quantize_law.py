@@ -1,4 +1,4 @@
-"""The fast 8-bit quantization (optimizer/blockwise_8bit.py: prefix tables, 16-bit draws) keeps
+"""The fast 8-bit quantization (optimizer/moments/blockwise_8bit.py: prefix tables, 16-bit draws) keeps
 the rounding law of the search it replaced: each quotient s rounds to one of its two map
 neighbours as ``torch.searchsorted`` finds them (the largest map value <= s, index clamped to
 0..254, and the next), the upper with probability up = (s - lower) / (upper - lower); a positive
@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from fairseq_fsdp2.optimizer.blockwise_8bit import BLOCK, dynamic_map, quantize
+from fairseq_fsdp2.optimizer.moments.blockwise_8bit import BLOCK, dynamic_map, quantize
 
 #: stores of every input
 R = 4096

@@ -45,7 +45,7 @@ def build_optimizer(cfg, params, local_shards: bool = True):
     Adafactor's factored statistics are made DTensors (adafactor_state.py); Adam's moments are
     kept in 16 bits with ``--fp16-adam-stats`` (fairseq's FusedAdamV1 only: on fairseq's own
     Adam it raises NotImplementedError) or ``--bf16-adam-stats``, in 8 bits with
-    ``--eight-bit-adam-stats`` (adam_stats.py)."""
+    ``--eight-bit-adam-stats`` (adam_stats.py; the formats: moments/)."""
     optimizer_cfg = cfg.optimizer
     stats = adam_stats(cfg)
     if "use_old_adam" in optimizer_cfg:
@@ -59,8 +59,8 @@ def build_optimizer(cfg, params, local_shards: bool = True):
     if local_shards:
         use_local_shards(inner.optimizer)  # elementwise optimizers step on the local shards
     use_factored_state(inner.optimizer)  # Adafactor: its row and column statistics sharded
-    if use_16_bit_moments(inner.optimizer, stats, local_shards, seed=OmegaConf.select(cfg, "common.seed", default=1)) \
-            and stats != "fp32":
+    seed = OmegaConf.select(cfg, "common.seed", default=1)
+    if use_16_bit_moments(inner.optimizer, stats, local_shards, seed=seed) and stats != "fp32":
         flag, saving = {"8bit": ("eight-bit", "about a quarter of")}.get(stats, (stats, "half"))
         logger.info(f"Adam's moments kept in {stats} between steps (--{flag}-adam-stats): "
                     f"{saving} the optimizer state")

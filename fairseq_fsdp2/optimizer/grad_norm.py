@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..sharding.mesh import comm_device
-from .local_shard_step import multiply_grads
-from .row_chunk_step import SIXTEEN_BIT, STEP_CHUNK, rows_per_chunk, widened
+from .local_shard_step import SIXTEEN_BIT_GRADS, mix_into, multiply_grads
+from .row_chunk_step import STEP_CHUNK, rows_per_chunk, widened
 
 
 def total_norm(grads: list[torch.Tensor], factors: Sequence = ()) -> torch.Tensor:
@@ -41,7 +41,7 @@ def total_norm(grads: list[torch.Tensor], factors: Sequence = ()) -> torch.Tenso
     sharded = _sharded_layout(grads)
     if sharded is not None:
         return _norm_of_local_shards(grads, *sharded, factors)
-    if any(g.dtype in SIXTEEN_BIT for g in grads):  # through DTensor dispatch: widened whole
+    if any(g.dtype in SIXTEEN_BIT_GRADS for g in grads):  # by DTensor dispatch: widened whole
         grads = [widened(g, factors) for g in grads]
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False)
     if not isinstance(norm, DTensor):
@@ -100,7 +100,7 @@ def widening_space(grads: list[torch.Tensor], chunk: int = STEP_CHUNK) -> Option
     (local shards) into; None when none is 16-bit."""
     sizes = []
     for g in grads:
-        if g.dtype in SIXTEEN_BIT:
+        if g.dtype in SIXTEEN_BIT_GRADS:
             _, row, per = _row_chunking(g, chunk)
             sizes.append(min(g.numel(), per * row))
     if not sizes:
@@ -177,22 +177,9 @@ class GlobalGradNorm:
             self.optimizer.grad_factors = []  # the gradients they were for are gone
 
 
-_classes: dict[type, type] = {}
-
-
 def use_global_grad_norm(optimizer, local_shards: bool = True) -> None:
     """Make ``optimizer`` (a FairseqOptimizer) compute the global norm over DTensor gradients:
-    its class becomes a subclass with :class:`GlobalGradNorm` first (as ``fully_shard`` changes
-    a module's class)."""
+    its class becomes a subclass with :class:`GlobalGradNorm` first (mix_into)."""
     if not local_shards:
         optimizer.local_shards = False
-    cls = type(optimizer)
-    if issubclass(cls, GlobalGradNorm):
-        return
-    if cls not in _classes:
-        # the same name: fairseq's load_checkpoint refuses a saved optimizer state whose
-        # optimizer_name differs from the optimizer's class name (a stock checkpoint's Adam
-        # state must load into this Adam, and ours into stock fairseq's)
-        _classes[cls] = type(cls.__name__, (GlobalGradNorm, cls),
-                             {"__qualname__": cls.__qualname__})
-    optimizer.__class__ = _classes[cls]
+    mix_into(optimizer, GlobalGradNorm)

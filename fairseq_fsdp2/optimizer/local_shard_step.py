@@ -26,6 +26,9 @@ from torch.distributed.tensor import DTensor
 
 #: Optimizers whose ``step`` is elementwise per parameter (module, class name).
 ELEMENTWISE = frozenset({("fairseq.optim.adam", "Adam")})
+#: the dtypes of the gradient shards FSDP2 may leave in 16 bits (sharding/sixteen_bit_grads.py): the
+#: step widens them (row_chunk_step.py), multiply_grads leaves their factors pending
+SIXTEEN_BIT_GRADS = (torch.float16, torch.bfloat16)
 
 
 @contextlib.contextmanager
@@ -40,7 +43,7 @@ def local_views(params: Iterable[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
             if isinstance(p, DTensor):
                 view = p.to_local()
                 if p.grad is not None and p.grad.dtype != view.dtype:
-                    view.grad_dtype = None  # a 16-bit gradient shard (sharding/narrow_grads.py)
+                    view.grad_dtype = None  # a 16-bit gradient shard (sharding/sixteen_bit_grads.py)
                 view.grad = None if p.grad is None else p.grad.to_local()
                 made.append(view)
                 p = view
@@ -114,7 +117,7 @@ def multiply_grads(params: Iterable[torch.Tensor], c, pending: Optional[list] = 
         for view in views:
             if view.grad is None:
                 continue
-            if pending is not None and view.grad.dtype in (torch.float16, torch.bfloat16):
+            if pending is not None and view.grad.dtype in SIXTEEN_BIT_GRADS:
                 deferred = True
                 continue
             by_kind.setdefault((view.grad.device, view.grad.dtype), []).append(view.grad)
@@ -127,20 +130,22 @@ def multiply_grads(params: Iterable[torch.Tensor], c, pending: Optional[list] = 
 _classes: dict[tuple[type, type], type] = {}
 
 
-def mix_into(torch_optimizer: torch.optim.Optimizer, mixin: type,
-             optimizers: frozenset) -> bool:
-    """Give ``torch_optimizer`` the ``mixin`` if its class is among ``optimizers`` (module,
-    class name); returns whether it has it. The class becomes a subclass of the same name (as
-    ``fully_shard`` changes a module's class; the name is what fairseq and torch show)."""
-    cls = type(torch_optimizer)
+def mix_into(optimizer, mixin: type, optimizers: Optional[frozenset] = None) -> bool:
+    """Give ``optimizer`` (a torch optimizer, or fairseq's around one) the ``mixin`` if its
+    class is among ``optimizers`` (module, class name; None: any); returns whether it has it.
+    The class becomes a subclass of the same name (as ``fully_shard`` changes a module's class;
+    the name is what fairseq and torch show, and fairseq's load_checkpoint refuses a saved
+    optimizer state whose optimizer_name is not the optimizer's class name). The one way the
+    step's parts are mixed in (build.py composes them)."""
+    cls = type(optimizer)
     if issubclass(cls, mixin):
         return True
-    if (cls.__module__, cls.__name__) not in optimizers:
+    if optimizers is not None and (cls.__module__, cls.__name__) not in optimizers:
         return False
     if (mixin, cls) not in _classes:
         _classes[mixin, cls] = type(cls.__name__, (mixin, cls), {
             "__qualname__": cls.__qualname__, "__module__": cls.__module__})
-    torch_optimizer.__class__ = _classes[mixin, cls]
+    optimizer.__class__ = _classes[mixin, cls]
     return True
 
 

@@ -17,7 +17,7 @@ What a run holds while it lasts, and what closing it undoes:
 - what the run's parts changed on the process and registered to undo (``on_close``): the
   collective timeout of a caller's process group (trainer/fsdp2_trainer.py), the CUDA device
   (setup.py), the moments' kept buffers of every thread and their tables
-  (optimizer/blockwise_8bit.release_workspaces, registered by the trainer), undone last first.
+  (optimizer/moments/blockwise_8bit.release_workspaces, registered by the trainer), undone last first.
 
 Module state: only ``current()``, the run in progress in this process (fairseq builds the
 trainer and the model from inside its own ``main``, with no way to pass the run along), and the

@@ -1,7 +1,7 @@
 """Buffers kept between calls, one per thread, all dropped at once at a run's end.
 
 ``threading.local`` keeps a value per thread but drops only the calling thread's; a run's end
-(launch/run_context.py) must drop those of every thread that worked for it, a background save's
+(process/run_context.py) must drop those of every thread that worked for it, a background save's
 included, so that the process is left as the run found it. Entries of threads that ended go
 with their thread objects.
 """

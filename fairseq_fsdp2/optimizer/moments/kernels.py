@@ -3,7 +3,7 @@ builder (``torch.utils.cpp_extension.load``: the C++ compiler fairseq's own buil
 needs, and ninja, pinned in requirements.txt; the build is cached in PyTorch's extension
 directory, ``TORCH_EXTENSIONS_DIR``, and rebuilt when the source or torch changes; concurrent
 processes wait for one build). ``scripts/setup.sh`` builds them when it installs; a run that
-needs them and finds no build builds it in its setup (launch/setup.py), before any collective
+needs them and finds no build builds it in its setup (process/setup.py), before any collective
 timeout applies, and the tests' ``scripts/test.sh`` through setup.sh.
 
 A build killed midway (Ctrl-C, an OOM kill) leaves torch's lock file in the build directory,

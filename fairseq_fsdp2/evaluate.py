@@ -83,6 +83,10 @@ def main(argv=None) -> int:
             raise FSDP2Error("--fail-on-drop needs --baseline")
         if args.beam < 1 or args.batch_size < 1:
             raise FSDP2Error("--beam and --batch-size must be at least 1")
+        if args.device == "cuda":
+            import torch
+            if not torch.cuda.is_available():
+                raise FSDP2Error("--device cuda: no CUDA device here")
         test = inputs.test_set(Path(args.data), args.split,
                                args.directions.split(",") if args.directions else None,
                                Path(args.raw) if args.raw else None)

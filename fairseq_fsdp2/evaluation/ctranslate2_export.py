@@ -129,7 +129,7 @@ sp = sentencepiece.SentencePieceProcessor(model_file="{SPM_FILE}")
 translator = ctranslate2.Translator(".", device="cpu")
 source = [["__{a}__"] + sp.encode("your sentence", out_type=str)]   # </s> is appended
 result = translator.translate_batch(source, target_prefix=[["__{b}__"]], beam_size=4)
-print(sp.decode(result[0].hypotheses[0][1:]))   # without the target language tag
+print(sp.decode([t for t in result[0].hypotheses[0] if t != "__{b}__"]))  # without the tag
 ```
 
 Languages ({len(langs)}): {", ".join(langs)}. nllb.json says the same for programs.
@@ -187,6 +187,8 @@ class CT2Translator:
                 max_decoding_length=int(self.gen.max_len_a * longest + self.gen.max_len_b),
                 max_input_length=0)
             for r in results:
-                tokens = r.hypotheses[0][1:] if prefix else r.hypotheses[0]
-                hyps.append(self.sp.decode(tokens))
+                # the target tag left out wherever it is, as fairseq's generator strips it
+                # (symbols_to_strip_from_output), not only the forced first one
+                hyps.append(self.sp.decode([t for t in r.hypotheses[0]
+                                            if t != tag.format(d.tgt)]))
         return Translations(hyps, references, sources)

@@ -108,7 +108,13 @@ class FairseqTranslator:
 
     def _load(self, task, cfg) -> None:
         from fairseq import checkpoint_utils
-        models, saved = checkpoint_utils.load_model_ensemble([str(self.model.path)], task=task)
+        if self.model.kind == "hf":
+            from .hf_model import build
+            models, saved_task = [build(self.model.path, task, str(self.test.data))], None
+        else:
+            models, saved = checkpoint_utils.load_model_ensemble([str(self.model.path)],
+                                                                 task=task)
+            saved_task = saved.task
         dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(self.gen.precision)
         for m in models:
             if dtype is not None:
@@ -116,7 +122,7 @@ class FairseqTranslator:
             if self.gen.device != "cpu":
                 m.to(self.gen.device)
             m.prepare_for_inference_(cfg)
-        self.models, self.saved_task_cfg = models, saved.task
+        self.models, self.saved_task_cfg = models, saved_task
 
     def translate(self, direction: Direction,
                   progress: Callable = lambda it, **kw: it) -> Translations:

@@ -3,7 +3,8 @@
 A fairseq checkpoint file the project reads: a sharded FSDP2 checkpoint (its full weights are
 read from its shard directory by the plugin's loading patch, a LoRA checkpoint's adapters
 merged: checkpoint/export.py), a consolidated export, or a stock fairseq checkpoint. Or a
-CTranslate2 model directory (``consolidate --format ctranslate2``). The check reads headers
+Hugging Face NLLB directory (hf_model.py), or a CTranslate2 model directory
+(``consolidate --format ctranslate2``). The check reads headers
 only (memory-mapped tensors, DCP metadata): the embedding rows must be DATA's dictionary's, the
 task NLLB's (``translation_multi_simple_epoch``), and its language-tag settings are what
 generation forces (as the recipe trained it).
@@ -20,7 +21,8 @@ from typing import Optional
 from ..checkpoint import sharded
 from ..checkpoint.safe_load import read_checkpoint_file
 from ..errors import CheckpointError
-from ..hf.nllb_weights import FAIRSEQ_EMBEDDING, is_hf_source
+from ..hf.nllb_weights import FAIRSEQ_EMBEDDING, HFWeights, is_hf_source
+from ..hf.vocab import SPM_FILE, dictionary_problem
 
 #: the task NLLB trains and fine-tunes with (the recipe's)
 NLLB_TASK = "translation_multi_simple_epoch"
@@ -33,7 +35,7 @@ CT2_CONFIG, CT2_SPM = "nllb.json", "sentencepiece.model"
 
 @dataclass(frozen=True)
 class ModelSource:
-    """A checked model: ``kind`` "fairseq" (a checkpoint file) or "ctranslate2" (a directory);
+    """A checked model: ``kind`` "fairseq" (a checkpoint file), "hf" or "ctranslate2";
     ``label`` names it in the table; the language-tag settings of its training task."""
 
     path: Path
@@ -46,7 +48,11 @@ class ModelSource:
 
 
 def _plain(value):
-    return vars(value) if isinstance(value, argparse.Namespace) else value
+    """A config as a plain dict: an argparse Namespace (legacy args) or an OmegaConf node."""
+    if isinstance(value, argparse.Namespace):
+        return vars(value)
+    from omegaconf import OmegaConf
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
 
 
 def _rows_of_shards(path: str, info: dict) -> Optional[int]:
@@ -72,10 +78,9 @@ def fairseq_checkpoint(path: Path, label: str, dictionary: Path) -> ModelSource:
     cfg = _plain(state.get("cfg"))
     task = _plain(cfg.get("task")) if isinstance(cfg, dict) else None
     if not isinstance(task, dict):  # a legacy checkpoint keeps its args instead
-        task = _plain(state.get("args")) if state.get("args") is not None else {}
-        task = vars(task) if isinstance(task, argparse.Namespace) else (task or {})
+        task = _plain(state.get("args")) or {}
     name = task.get("_name") or task.get("task")
-    if name != NLLB_TASK:
+    if name is not None and name != NLLB_TASK:  # none named: NLLB's settings assumed
         raise CheckpointError(f"{path} was trained with task {name!r}: evaluation translates "
                               f"NLLB-style models ({NLLB_TASK}, language tags)")
     info = state.get("fsdp2")
@@ -141,6 +146,22 @@ def ct2_source(path: Path, label: str, dictionary: Path) -> ModelSource:
                        lang_tok_style=config.get("lang_tok_style", "multilingual"))
 
 
+def hf_source(path: Path, label: str, dictionary: Path) -> ModelSource:
+    """A Hugging Face NLLB directory, checked against DATA's dictionary (no weight read;
+    hf_model.py builds the model)."""
+    from fairseq.data import Dictionary
+    weights = HFWeights(str(path))
+    rows = weights.shape(FAIRSEQ_EMBEDDING[0])[0]
+    symbols = Dictionary.load(str(dictionary)).symbols
+    problem = f"{path} has {rows} embedding rows, {dictionary} {len(symbols)} entries: the " \
+        f"model was trained with another dictionary" if len(symbols) != rows else None
+    if problem is None and (path / SPM_FILE).is_file():  # its tokenizer: every row's token
+        problem = dictionary_problem(path, symbols, rows)
+    if problem:
+        raise CheckpointError(problem)
+    return ModelSource(path, "hf", label, rows)
+
+
 def model_source(path: str, label: str, dictionary: Path) -> ModelSource:
     """The checked model ``path`` names; CheckpointError names the first problem."""
     p = Path(path)
@@ -148,10 +169,8 @@ def model_source(path: str, label: str, dictionary: Path) -> ModelSource:
         raise CheckpointError(f"model not found: {path}")
     if is_ctranslate2(p):
         return ct2_source(p, label, dictionary)
-    if is_hf_source(path):
-        raise CheckpointError(f"{path} is a Hugging Face model directory: evaluate it after "
-                              f"fine-tuning from it (its checkpoints), or export it to "
-                              f"CTranslate2 first")
+    if p.is_dir() and is_hf_source(path):
+        return hf_source(p, label, dictionary)
     if p.is_dir():
         raise CheckpointError(f"{path} is a directory, but neither a CTranslate2 model "
                               f"({' + '.join(CT2_FILES)}) nor a checkpoint file")

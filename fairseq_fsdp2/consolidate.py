@@ -81,5 +81,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    import logging
     quiet.no_debug_log()
+    logging.getLogger("fairseq").setLevel(logging.WARNING)  # --format ctranslate2's task notes
     sys.exit(main())

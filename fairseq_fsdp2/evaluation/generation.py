@@ -179,7 +179,7 @@ class FairseqTranslator:
         n = len(dataset)
         if sorted(hyps) != list(range(n)):
             raise RuntimeError(f"{direction.name}: {n - len(hyps)} of {n} sentences were not "
-                               f"translated (longer than the model's positions?)")
+                               f"translated: fairseq's batch iterator left them out")
         references = (self.test.raw_lines(direction, direction.tgt) if self.test.raw is not None
                       else [refs[i] for i in range(n)])
         return Translations([hyps[i] for i in range(n)], references, sources)

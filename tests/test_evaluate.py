@@ -39,16 +39,8 @@ def run(tmp_path_factory):
     numbers.write_corpus(root / "raw", PAIRS, n_train=300, n_valid=10, n_test=N_TEST, seed=2)
     data = prepare(root / "raw", root / "data", vocab_size=120, log=lambda *a: None)
     save = root / "ckpt"
-    args = [data, "--user-dir", PLUGIN, "--ddp-backend", "fsdp2", "--min-params-to-wrap", 1,
-            "--task", "translation_multi_simple_epoch", "--arch", "transformer_nllb_tiny",
-            "--lang-pairs", ",".join(DIRECTIONS), "--langs", (data / "langs.txt").read_text()
-            .strip(), "--encoder-langtok", "src", "--decoder-langtok", "--optimizer", "adam",
-            "--lr", "3e-3", "--criterion", "label_smoothed_cross_entropy",
-            "--label-smoothing", "0.1", "--max-tokens", 2000, "--max-update", 20,
-            "--save-interval-updates", 10, "--seed", 1, "--cpu", "--num-workers", 0,
-            "--disable-validation", "--no-epoch-checkpoints", "--no-progress-bar",
-            "--save-dir", save]
-    ok(run_ranks(1, lambda rank: [str(a) for a in args]))
+    args = train_args(data, save, "--max-update", 20, "--save-interval-updates", 10)
+    ok(run_ranks(1, lambda rank: args))
     return root, data, save
 
 
@@ -251,6 +243,17 @@ def test_bad_input_is_one_line_and_exit_2_before_any_generation(run, tmp_path, m
 
 # -- CTranslate2 export (consolidate --format ctranslate2) -----------------------------------------
 
+def train_args(data, save, *extra) -> list[str]:
+    return [str(a) for a in [
+        data, "--user-dir", PLUGIN, "--ddp-backend", "fsdp2", "--min-params-to-wrap", 1,
+        "--task", "translation_multi_simple_epoch", "--arch", "transformer_nllb_tiny",
+        "--lang-pairs", ",".join(DIRECTIONS), "--langs", (data / "langs.txt").read_text()
+        .strip(), "--encoder-langtok", "src", "--decoder-langtok", "--optimizer", "adam",
+        "--lr", "3e-3", "--criterion", "label_smoothed_cross_entropy",
+        "--label-smoothing", "0.1", "--max-tokens", 2000, "--seed", 1, "--cpu",
+        "--num-workers", 0, "--disable-validation", "--no-epoch-checkpoints",
+        "--no-progress-bar", "--save-dir", save, *extra]]
+
 @pytest.fixture(scope="module")
 def ct2_float32(run):
     from fairseq_fsdp2 import consolidate
@@ -334,3 +337,24 @@ def test_evaluate_reads_ctranslate2_and_int8_stays_within_1_chrf_of_float32(run,
             assert got["scores"][role]["chrf++"] == sacrebleu.corpus_chrf(
                 hyps, [refs], word_order=2).score
         assert abs(got["delta"]["chrf++"]) <= 1.0, got
+
+
+def test_a_lora_checkpoint_exports_and_greedy_decodes_as_its_merged_export(run, tmp_path):
+    """A LoRA fine-tune (4 updates from the run's export), its sharded checkpoint (adapters and
+    frozen base apart) exported to CTranslate2: the adapters merged, as stock fairseq-generate
+    decodes the run's own merged export."""
+    from fairseq_fsdp2 import consolidate
+    root, data, save = run
+    lora = tmp_path / "lora"
+    ok(run_ranks(1, lambda rank: train_args(
+        data, lora, "--finetune-from-model", save / "checkpoint_last_consolidated.pt",
+        "--lora-rank", 4, "--lora-alpha", 8, "--max-update", 4)))
+    out = tmp_path / "ct2"
+    assert consolidate.main([str(lora / "checkpoint_last.pt"), str(out),
+                             "--format", "ctranslate2"]) == 0
+    direction = DIRECTIONS[0]
+    stock = stock_generate(data, lora / "checkpoint_last_consolidated.pt", direction, beam=1)
+    ct2 = ct2_greedy_pieces(out, root / "raw", direction)
+    agree = sum(a == b for a, b in zip(ct2, stock["H"]))
+    assert agree >= GREEDY_AGREEMENT * len(ct2), f"{agree} of {len(ct2)} agree"
+

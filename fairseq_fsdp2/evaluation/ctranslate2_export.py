@@ -27,7 +27,7 @@ from ..errors import CheckpointError
 from .generation import Generation, Translations, fairseq_config, generate_argv
 from .inputs import Direction, TestSet, listed
 from .models import CT2_CONFIG as CONFIG, CT2_SPM as SPM_FILE, ModelSource, \
-    fairseq_checkpoint, need_ctranslate2
+    fairseq_checkpoint, need_ctranslate2, plain_config
 
 QUANTIZATIONS = ("int8", "int8_float16", "int8_float32", "float16", "bfloat16", "float32")
 
@@ -76,8 +76,9 @@ def spec_of(model, task, saved):
 def trained_data(checkpoint: str) -> str:
     """The data directory in a checkpoint's cfg (task.data)."""
     from ..checkpoint.safe_load import read_checkpoint_file
-    cfg = read_checkpoint_file(checkpoint).get("cfg") or {}
-    data = (cfg.get("task") or {}).get("data") if isinstance(cfg, dict) else None
+    cfg = plain_config(read_checkpoint_file(checkpoint).get("cfg")) or {}
+    task = plain_config(cfg.get("task")) if isinstance(cfg, dict) else None
+    data = task.get("data") if isinstance(task, dict) else None
     if not isinstance(data, str) or not data:
         raise CheckpointError(f"{checkpoint} names no data directory: give --data")
     return data.split(":")[0]

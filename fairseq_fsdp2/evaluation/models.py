@@ -47,7 +47,7 @@ class ModelSource:
     lang_tok_style: str = "multilingual"
 
 
-def _plain(value):
+def plain_config(value):
     """A config as a plain dict: an argparse Namespace (legacy args) or an OmegaConf node."""
     if isinstance(value, argparse.Namespace):
         return vars(value)
@@ -75,10 +75,10 @@ def _dictionary_size(dictionary: Path) -> int:
 
 def fairseq_checkpoint(path: Path, label: str, dictionary: Path) -> ModelSource:
     state = read_checkpoint_file(str(path))  # memory-mapped: no weight is read
-    cfg = _plain(state.get("cfg"))
-    task = _plain(cfg.get("task")) if isinstance(cfg, dict) else None
+    cfg = plain_config(state.get("cfg"))
+    task = plain_config(cfg.get("task")) if isinstance(cfg, dict) else None
     if not isinstance(task, dict):  # a legacy checkpoint keeps its args instead
-        task = _plain(state.get("args")) or {}
+        task = plain_config(state.get("args")) or {}
     name = task.get("_name") or task.get("task")
     if name is not None and name != NLLB_TASK:  # none named: NLLB's settings assumed
         raise CheckpointError(f"{path} was trained with task {name!r}: evaluation translates "

@@ -54,7 +54,8 @@ def stock_generate(data, checkpoint, direction: str, beam: int = 4) -> dict[str,
     result = run_command(
         "fairseq_cli.generate", data, "--path", checkpoint,
         "--task", "translation_multi_simple_epoch", "--source-lang", src, "--target-lang", tgt,
-        "--lang-pairs", ",".join(DIRECTIONS), "--langs", (data / "langs.txt").read_text().strip(),
+        "--lang-pairs", (data / "lang_pairs.txt").read_text().strip(),
+        "--langs", (data / "langs.txt").read_text().strip(),
         "--encoder-langtok", "src", "--decoder-langtok", "--gen-subset", "test",
         "--beam", beam, "--lenpen", 1, "--max-len-a", 0, "--max-len-b", 200, "--batch-size", 50,
         "--required-batch-size-multiple", 1,  # else fairseq drops a last batch: see generation.py
@@ -247,8 +248,9 @@ def train_args(data, save, *extra) -> list[str]:
     return [str(a) for a in [
         data, "--user-dir", PLUGIN, "--ddp-backend", "fsdp2", "--min-params-to-wrap", 1,
         "--task", "translation_multi_simple_epoch", "--arch", "transformer_nllb_tiny",
-        "--lang-pairs", ",".join(DIRECTIONS), "--langs", (data / "langs.txt").read_text()
-        .strip(), "--encoder-langtok", "src", "--decoder-langtok", "--optimizer", "adam",
+        "--lang-pairs", (data / "lang_pairs.txt").read_text().strip(),
+        "--langs", (data / "langs.txt").read_text().strip(),
+        "--encoder-langtok", "src", "--decoder-langtok", "--optimizer", "adam",
         "--lr", "3e-3", "--criterion", "label_smoothed_cross_entropy",
         "--label-smoothing", "0.1", "--max-tokens", 2000, "--seed", 1, "--cpu",
         "--num-workers", 0, "--disable-validation", "--no-epoch-checkpoints",
@@ -355,6 +357,33 @@ def test_a_lora_checkpoint_exports_and_greedy_decodes_as_its_merged_export(run, 
     direction = DIRECTIONS[0]
     stock = stock_generate(data, lora / "checkpoint_last_consolidated.pt", direction, beam=1)
     ct2 = ct2_greedy_pieces(out, root / "raw", direction)
+    agree = sum(a == b for a, b in zip(ct2, stock["H"]))
+    assert agree >= GREEDY_AGREEMENT * len(ct2), f"{agree} of {len(ct2)} agree"
+
+
+def test_a_checkpoint_with_an_added_language_exports_and_translates_it(run, tmp_path):
+    """lat_Latn added to the run's vocabulary (prepare --add-langs, its embedding grown by
+    --finetune-from-model), 4 updates: the export has the grown vocabulary and greedy-decodes
+    eng_Latn-lat_Latn as stock fairseq-generate does."""
+    from fairseq_fsdp2 import consolidate
+    root, data, save = run
+    numbers.write_corpus(tmp_path / "raw", [("eng_Latn", "lat_Latn")], n_train=300, n_valid=10,
+                         n_test=N_TEST, seed=3)
+    grown = prepare(tmp_path / "raw", tmp_path / "data", spm_model=data / "spm.model",
+                    dictionary=data / "dict.txt", add_langs="lat_Latn", log=lambda *a: None)
+    ckpt = tmp_path / "ckpt"
+    ok(run_ranks(1, lambda rank: train_args(
+        grown, ckpt, "--finetune-from-model", save / "checkpoint_last_consolidated.pt",
+        "--init-new-langs-from", "lat_Latn=fra_Latn", "--max-update", 4)))
+    out = tmp_path / "ct2"
+    assert consolidate.main([str(ckpt / "checkpoint_last.pt"), str(out),
+                             "--format", "ctranslate2"]) == 0
+    vocabulary = json.loads((out / "shared_vocabulary.json").read_text())
+    assert "__lat_Latn__" in vocabulary and len(vocabulary) > len(
+        (data / "dict.txt").read_text().splitlines())
+    direction = "eng_Latn-lat_Latn"
+    stock = stock_generate(grown, ckpt / "checkpoint_last_consolidated.pt", direction, beam=1)
+    ct2 = ct2_greedy_pieces(out, tmp_path / "raw", direction)
     agree = sum(a == b for a, b in zip(ct2, stock["H"]))
     assert agree >= GREEDY_AGREEMENT * len(ct2), f"{agree} of {len(ct2)} agree"
 

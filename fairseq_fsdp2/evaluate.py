@@ -6,8 +6,9 @@ optionally against a baseline (the model fine-tuning started from: the forgettin
     python -m fairseq_fsdp2.evaluate DATA MODEL --baseline BASE --max-drop 1 --fail-on-drop
 
 DATA: a directory written by scripts/prepare_data.sh. MODEL, BASE: a checkpoint (sharded,
-consolidated, stock fairseq, LoRA) or a CTranslate2 directory. Everything is checked before any
-generation: bad input is one line, exit status 2. The work: evaluation/.
+consolidated, stock fairseq, LoRA), a Hugging Face NLLB directory or a CTranslate2 directory.
+Everything is checked before any generation: bad input is one line, exit status 2. Under
+torchrun the ranks share the directions. The work: evaluation/.
 """
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import PROG, FSDP2Error, report_bad_input, unwritable
-from .evaluation import generation, inputs, models as model_sources, report, runner, scores
+from .errors import PROG, FSDP2Error, prints_bad_input, report_bad_input, unwritable
+from .evaluation import generation, inputs, models as model_sources, ranks, report, runner, \
+    scores
 
 
 def parser() -> argparse.ArgumentParser:
@@ -98,15 +100,35 @@ def main(argv=None) -> int:
         if args.baseline:
             chosen[report.BASELINE] = model_sources.model_source(args.baseline, "baseline",
                                                                  test.dictionary)
-    except FSDP2Error as e:
-        return report_bad_input(PROG, e)
+    except FSDP2Error as e:  # every rank finds it; one per machine says it
+        return report_bad_input(PROG, e) if prints_bad_input() else 2
     gen = generation.Generation(args.beam, args.lenpen, args.max_len_a, args.max_len_b,
                                 args.batch_size, args.precision, args.device)
     scorer = scores.Scorer(*spm)
     out.mkdir(parents=True, exist_ok=True)
-    results = runner.evaluate(test, chosen, gen, scorer, out,
-                              show_progress=not args.no_progress,
-                              log=lambda line: print(line, file=sys.stderr))
+    shared = ranks.from_environment()
+    if shared.world > 1 and gen.resolved().device == "cuda":
+        import torch
+        torch.cuda.set_device(shared.local_rank)
+    try:
+        results = shared.gather(runner.evaluate(
+            test, chosen, gen, scorer, out, show_progress=not args.no_progress,
+            log=lambda line: print(line, file=sys.stderr),
+            directions=shared.mine(test.directions)), [d.name for d in test.directions])
+    finally:
+        ranks.close(shared)
+    dropped = [r.direction for r in results if args.baseline and r.dropped(args.max_drop)]
+    code = 1 if dropped and args.fail_on_drop else 0
+    if shared.rank == 0:
+        write_report(args, out, plot, test, chosen, gen, scorer, spm, results)
+        if code:
+            print(f"{PROG}: {len(dropped)} direction(s) dropped by more than "
+                  f"{args.max_drop:g} chrF++: {', '.join(dropped)}", file=sys.stderr)
+    return code
+
+
+def write_report(args, out, plot, test, chosen, gen, scorer, spm, results) -> None:
+    """The table and signatures on stdout, results.json, the chart."""
     print(report.table(results, args.max_drop))
     if spm[0] is None:
         print("\nspBLEU: not computed (no FLORES-200 SentencePiece model: --spbleu-model FILE)")
@@ -120,12 +142,6 @@ def main(argv=None) -> int:
         report.plot(plot, results, {report.MODEL: f"model ({Path(args.model).name})",
                                     report.BASELINE: f"baseline ({base})"})
         print(f"chart: {plot}")
-    dropped = [r.direction for r in results if args.baseline and r.dropped(args.max_drop)]
-    if dropped and args.fail_on_drop:
-        print(f"{PROG}: {len(dropped)} direction(s) dropped by more than {args.max_drop:g} "
-              f"chrF++: {', '.join(dropped)}", file=sys.stderr)
-        return 1
-    return 0
 
 
 if __name__ == "__main__":

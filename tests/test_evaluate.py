@@ -387,3 +387,24 @@ def test_a_checkpoint_with_an_added_language_exports_and_translates_it(run, tmp_
     agree = sum(a == b for a, b in zip(ct2, stock["H"]))
     assert agree >= GREEDY_AGREEMENT * len(ct2), f"{agree} of {len(ct2)} agree"
 
+
+
+def test_under_torchrun_the_ranks_share_the_directions(run, tmp_path):
+    """2 ranks: each translates one of the two directions (its log says which), rank 0 writes
+    the report, and the scores are one process's."""
+    root, data, save = run
+    model = save / "checkpoint_last_consolidated.pt"
+    args = [data, model, "--beam", 1, "--no-progress", "--device", "cpu"]
+    results = run_ranks(2, lambda rank: [str(a) for a in args + ["--out", tmp_path / "two"]],
+                        module="fairseq_fsdp2.evaluate")
+    ok(results)
+    translated = [re.findall(r"^model (\S+): chrf", r.output, re.M) for r in results]
+    assert sorted(translated[0] + translated[1]) == sorted(DIRECTIONS), translated
+    assert len(translated[0]) == len(translated[1]) == 1
+    assert "| direction |" in results[0].output and "| direction |" not in results[1].output
+    shared = json.loads((tmp_path / "two" / "results.json").read_text())
+    code, alone = main(args, tmp_path / "one")
+    assert code == 0
+    assert {d: r["scores"] for d, r in shared["directions"].items()} == \
+        {d: r["scores"] for d, r in alone["directions"].items()}
+    assert shared["signatures"] == alone["signatures"]

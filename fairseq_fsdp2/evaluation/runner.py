@@ -26,12 +26,17 @@ def _write_lines(path: Path, lines: list[str]) -> str:
 
 
 def evaluate(test: TestSet, models: dict[str, ModelSource], gen: Generation, scorer: Scorer,
-             out: Path, show_progress: bool = True, log=print) -> list[Result]:
-    """``models``: role ("model", "baseline") -> the checked model. Hypotheses go to
+             out: Path, show_progress: bool = True, log=print,
+             directions: Optional[list] = None) -> list[Result]:
+    """``models``: role ("model", "baseline") -> the checked model; ``directions``: those to
+    translate here (default: all; under torchrun this rank's, ranks.py). Hypotheses go to
     ``out/ROLE/SPLIT.SRC-TGT.TGT``, references to ``out/references/``."""
+    directions = list(test.directions if directions is None else directions)
+    if not directions:
+        return []
     translators = {role: translator(m, test, gen) for role, m in models.items()}
     results = []
-    for d in test.directions:
+    for d in directions:
         result = Result(d.name)
         for role, t in translators.items():
             bar = progress_bar(f"{role} {d.name}") if show_progress else (

@@ -80,6 +80,9 @@ class Scorer:
     def signatures(self) -> dict[str, Optional[str]]:
         """Each metric's sacreBLEU signature (known once it has scored: it names the number of
         references); None for a metric left out."""
+        for metric in self.metrics.values():
+            if not hasattr(metric, "num_refs"):  # nothing scored here (another rank did):
+                metric.corpus_score(["x"], [["x"]])  # one reference each, as the scores had
         return {k: (str(self.metrics[k].get_signature()) if k in self.metrics else None)
                 for k in METRICS}
 

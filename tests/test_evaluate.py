@@ -150,6 +150,27 @@ def test_a_hugging_face_directory_translates_as_its_checkpoint(run, tmp_path):
         assert got["delta"]["chrf++"] == 0.0 and got["delta"]["bleu"] == 0.0
 
 
+def test_raw_text_gives_the_sources_and_the_references_as_written(run, tmp_path):
+    """--raw: the raw files' sources, encoded as the binarized split was, translate to the same
+    hypotheses (one batch of the same sentences, in another order: each row's arithmetic is
+    the same), scored against the raw references."""
+    root, data, save = run
+    model = save / "checkpoint_last_consolidated.pt"
+    args = [data, model, "--directions", DIRECTIONS[0], "--beam", 2]
+    code, binarized = main(args, tmp_path / "binarized")
+    assert code == 0
+    code, raw = main(args + ["--raw", root / "raw"], tmp_path / "raw")
+    assert code == 0 and raw["raw"] == str(root / "raw")
+    src, tgt = DIRECTIONS[0].split("-")
+    references = (root / "raw" / f"test.{DIRECTIONS[0]}.{tgt}").read_text().splitlines()
+    assert read_lines(tmp_path / "raw" / "references" / f"test.{DIRECTIONS[0]}.{tgt}") == \
+        references
+    hyps = read_lines(raw["directions"][DIRECTIONS[0]]["hypotheses"]["model"])
+    assert hyps == read_lines(binarized["directions"][DIRECTIONS[0]]["hypotheses"]["model"])
+    assert raw["directions"][DIRECTIONS[0]]["scores"]["model"]["chrf++"] == \
+        CHRF(word_order=2).corpus_score(hyps, [references]).score
+
+
 def test_spbleu_names_another_sentencepiece_model_by_its_hash(run, tmp_path, monkeypatch):
     """Without sacreBLEU's flores200 file, a given SentencePiece model is not called flores200;
     without any, spBLEU is left out."""

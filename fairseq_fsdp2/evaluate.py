@@ -100,10 +100,13 @@ def main(argv=None) -> int:
         if args.baseline:
             chosen[report.BASELINE] = model_sources.model_source(args.baseline, "baseline",
                                                                  test.dictionary)
+        gen = generation.Generation(args.beam, args.lenpen, args.max_len_a, args.max_len_b,
+                                    args.batch_size, args.precision, args.device)
+        if any(m.kind == "ctranslate2" for m in chosen.values()):
+            from .evaluation.ctranslate2_export import check_compute
+            check_compute(gen)
     except FSDP2Error as e:  # every rank finds it; one per machine says it
         return report_bad_input(PROG, e) if prints_bad_input() else 2
-    gen = generation.Generation(args.beam, args.lenpen, args.max_len_a, args.max_len_b,
-                                args.batch_size, args.precision, args.device)
     scorer = scores.Scorer(*spm)
     out.mkdir(parents=True, exist_ok=True)
     shared = ranks.from_environment()

@@ -221,8 +221,9 @@ def test_baseline_marks_the_directions_that_dropped_and_fail_on_drop_fails(run, 
     assert code == 0 and results["dropped"] == []
 
 
-def test_bad_input_is_one_line_and_exit_2_before_any_generation(run, tmp_path, monkeypatch,
-                                                                capsys):
+def test_bad_input_is_one_line_and_exit_2_before_any_generation(run, ct2_float32, tmp_path,
+                                                                monkeypatch, capsys):
+    import ctranslate2
     root, data, save = run
     model = save / "checkpoint_last_consolidated.pt"
     monkeypatch.setattr(runner, "evaluate", lambda *a, **k: pytest.fail("generation began"))
@@ -250,6 +251,10 @@ def test_bad_input_is_one_line_and_exit_2_before_any_generation(run, tmp_path, m
         ([data, model, "--fail-on-drop"], "--fail-on-drop needs --baseline"),
         ([data, model, "--spbleu-model", tmp_path / "none.model"], "does not exist"),
     ]
+    supported = ctranslate2.get_supported_compute_types("cpu")
+    cases += [([data, ct2_float32, "--device", "cpu", "--precision", precision],
+               f"--precision {precision}: CTranslate2 cannot compute in it on cpu")
+              for precision in ("float16", "bfloat16") if precision not in supported][:1]
     for argv, expected in cases:
         out = tmp_path / "out"
         code = evaluate.main([str(a) for a in argv] + ["--out", str(out), "--no-progress"])

@@ -137,6 +137,23 @@ Languages ({len(langs)}): {", ".join(langs)}. nllb.json says the same for progra
 """
 
 
+def compute_type(precision: str) -> str:
+    """CTranslate2's compute type for --precision (float32: the type the weights are stored
+    in, so an int8 export computes in int8)."""
+    return "default" if precision == "float32" else precision
+
+
+def check_compute(gen: Generation) -> None:
+    """The device can compute in --precision (else one line, before any generation)."""
+    import ctranslate2
+    gen = gen.resolved()
+    wanted = compute_type(gen.precision)
+    supported = ctranslate2.get_supported_compute_types(gen.device)
+    if wanted != "default" and wanted not in supported:
+        raise CheckpointError(f"--precision {gen.precision}: CTranslate2 cannot compute in it "
+                              f"on {gen.device} here (it can: {', '.join(sorted(supported))})")
+
+
 class CT2Translator:
     """A CTranslate2 directory translating the test set's sources (the binarized split's
     sources decoded, or the raw files), tags and ``</s>`` as the fairseq model has them."""
@@ -145,11 +162,8 @@ class CT2Translator:
         import ctranslate2
         import sentencepiece
         self.model, self.test, self.gen = model, test, gen.resolved()
-        compute = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}.get(
-            self.gen.precision, "default")
         self.translator = ctranslate2.Translator(str(model.path), device=self.gen.device,
-                                                 compute_type="default" if compute ==
-                                                 "float32" else compute)
+                                                 compute_type=compute_type(self.gen.precision))
         self.sp = sentencepiece.SentencePieceProcessor(model_file=str(model.path / SPM_FILE))
 
     def _sources_and_references(self, d: Direction) -> tuple[list[str], list[str]]:

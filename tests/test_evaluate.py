@@ -150,41 +150,32 @@ def test_a_hugging_face_directory_translates_as_its_checkpoint(run, tmp_path):
         assert got["delta"]["chrf++"] == 0.0 and got["delta"]["bleu"] == 0.0
 
 
-def test_raw_text_gives_the_sources_and_the_references_as_written(run, tmp_path):
+def test_raw_text_and_spbleu_without_sacrebleus_flores200_model(run, tmp_path, monkeypatch):
     """--raw: the raw files' sources, encoded as the binarized split was, translate to the same
     hypotheses (one batch of the same sentences, in another order: each row's arithmetic is
-    the same), scored against the raw references."""
-    root, data, save = run
-    model = save / "checkpoint_last_consolidated.pt"
-    args = [data, model, "--directions", DIRECTIONS[0], "--beam", 2]
-    code, binarized = main(args, tmp_path / "binarized")
-    assert code == 0
-    code, raw = main(args + ["--raw", root / "raw"], tmp_path / "raw")
-    assert code == 0 and raw["raw"] == str(root / "raw")
-    src, tgt = DIRECTIONS[0].split("-")
-    references = (root / "raw" / f"test.{DIRECTIONS[0]}.{tgt}").read_text().splitlines()
-    assert read_lines(tmp_path / "raw" / "references" / f"test.{DIRECTIONS[0]}.{tgt}") == \
-        references
-    hyps = read_lines(raw["directions"][DIRECTIONS[0]]["hypotheses"]["model"])
-    assert hyps == read_lines(binarized["directions"][DIRECTIONS[0]]["hypotheses"]["model"])
-    assert raw["directions"][DIRECTIONS[0]]["scores"]["model"]["chrf++"] == \
-        CHRF(word_order=2).corpus_score(hyps, [references]).score
-
-
-def test_spbleu_names_another_sentencepiece_model_by_its_hash(run, tmp_path, monkeypatch):
-    """Without sacreBLEU's flores200 file, a given SentencePiece model is not called flores200;
-    without any, spBLEU is left out."""
+    the same), scored against the raw references. And spBLEU without sacreBLEU's flores200
+    file: a given SentencePiece model is not called flores200 but named by its hash; without
+    any, spBLEU is left out."""
     root, data, save = run
     monkeypatch.setattr(sacrebleu.utils, "SACREBLEU_DIR", str(tmp_path / "none"))
     model = save / "checkpoint_last_consolidated.pt"
-    args = [data, model, "--directions", DIRECTIONS[0], "--beam", 1]
-    code, results = main(args + ["--spbleu-model", data / "spm.model"], tmp_path / "a")
-    assert code == 0
-    assert re.search(r"\|tok:spm-spm-[0-9a-f]{12}\|", results["signatures"]["spbleu"])
-    assert results["directions"][DIRECTIONS[0]]["scores"]["model"]["spbleu"] is not None
-    code, results = main(args, tmp_path / "b")
-    assert code == 0 and results["signatures"]["spbleu"] is None
-    assert results["directions"][DIRECTIONS[0]]["scores"]["model"]["spbleu"] is None
+    direction = DIRECTIONS[0]
+    args = [data, model, "--directions", direction, "--beam", 2]
+    code, binarized = main(args, tmp_path / "binarized")
+    assert code == 0 and binarized["signatures"]["spbleu"] is None
+    assert binarized["directions"][direction]["scores"]["model"]["spbleu"] is None
+    code, raw = main(args + ["--raw", root / "raw", "--spbleu-model", data / "spm.model"],
+                     tmp_path / "raw")
+    assert code == 0 and raw["raw"] == str(root / "raw")
+    assert re.search(r"\|tok:spm-spm-[0-9a-f]{12}\|", raw["signatures"]["spbleu"])
+    tgt = direction.split("-")[1]
+    references = (root / "raw" / f"test.{direction}.{tgt}").read_text().splitlines()
+    assert read_lines(tmp_path / "raw" / "references" / f"test.{direction}.{tgt}") == references
+    hyps = read_lines(raw["directions"][direction]["hypotheses"]["model"])
+    assert hyps == read_lines(binarized["directions"][direction]["hypotheses"]["model"])
+    scores = raw["directions"][direction]["scores"]["model"]
+    assert scores["chrf++"] == CHRF(word_order=2).corpus_score(hyps, [references]).score
+    assert scores["spbleu"] is not None
 
 
 def test_baseline_marks_the_directions_that_dropped_and_fail_on_drop_fails(run, tmp_path,

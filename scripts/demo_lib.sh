@@ -3,7 +3,7 @@
 # a consolidated checkpoint, then sacreBLEU and a few translations.
 demo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
-step() { echo "[demo] step $1/5: $2"; }
+step() { echo "[demo] step $1/${demo_steps:-5}: $2"; }  # demo_steps: a demo's count
 quiet() { grep -v tensorboardX >&2 || true; }  # fairseq's import-time notice, not ours
 
 #   demo_begin OUT: step 1 (the environment, scripts/setup.sh), then OUT emptied; sets py

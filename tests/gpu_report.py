@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 PIN_FILES = ("requirements.txt", "requirements-fairseq.txt", "requirements-dev.txt")
 #: Pinned in requirements.txt but not needed by the GPU check: charts and the suite's workers.
 NOT_NEEDED = {"matplotlib", "contourpy", "cycler", "fonttools", "kiwisolver", "pillow",
+              "ctranslate2",  # the CTranslate2 export (evaluation/), not the GPU check
               "pyparsing", "python-dateutil", "pytest-xdist", "execnet"}
 #: What the source digest covers: what decides the tests' behaviour.
 DIGEST_GLOBS = ("fairseq_fsdp2/**/*.py", "tests/**/*.py", "scripts/*", "configs/**/*",

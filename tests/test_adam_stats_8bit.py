@@ -32,6 +32,7 @@ the bound here is computed from the values, element by element.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -144,7 +145,13 @@ WIDER = ["--encoder-embed-dim", "64", "--decoder-embed-dim", "64",
 UNEVEN = ["--encoder-embed-dim", "64", "--decoder-embed-dim", "64",
           "--encoder-ffn-embed-dim", "127", "--decoder-ffn-embed-dim", "129"]
 MODEL = {1: WIDER, 2: UNEVEN}
-UPDATES = 200
+#: the one-rank comparison's length: every systematic error of the format tried by hand (a code
+#: read as its neighbour, block maxima stored 10% too large, a row read with another row's
+#: maxima) left float32 moments by 20 times the twin's spread or more within updates 3-50 (the
+#: first at update 11: the closing note of issue 46); 200 updates cost 3.3 times as much and
+#: found nothing the first 50 did not. Unbiased rounding over long runs is
+#: test_8_bit_second_moment_decays_as_in_float32's claim (300 steps, no training run).
+UPDATES = 60
 EIGHT_BIT = ["--eight-bit-adam-stats"]
 #: the two-rank 8-bit run: saved at update 10 (resumed below) and at its end (update 12)
 SAVED = [*EIGHT_BIT, "--save-interval-updates", "10"]
@@ -154,7 +161,7 @@ SAVED_UPDATES = 12
 @pytest.fixture(scope="module")
 def trained(corpus, tmp_path_factory):
     """Runs of the wider tiny model (MODEL: WIDER on one rank, UNEVEN on two): flags -> (rank
-    0's output, save dir), each once. The long comparison with float32 moments trains 200
+    0's output, save dir), each once. The long comparison with float32 moments trains UPDATES
     updates on one rank (a rank's gloo collectives would double its cost); the 8-bit state's
     save and resume, and a short comparison where the 8-bit code meets shards, on two ranks
     (each shard draws its own stochastic rounding), 12 updates. ``other_draws``: the run
@@ -175,7 +182,7 @@ def trained(corpus, tmp_path_factory):
 
 
 def test_eight_bit_adam_stats_train_within_their_rounding_of_float32_moments(trained):
-    """--eight-bit-adam-stats against the same run with float32 moments, 200 updates: update 1
+    """--eight-bit-adam-stats against the same run with float32 moments, UPDATES updates: update 1
     and 2 equal bit for bit (the first step reads no stored moment); from update 3 on, loss and
     gnorm within the noise of the rounding itself, measured in the same test: the spread
     between the 8-bit run and the same run with other rounding draws, update by update around
@@ -184,14 +191,17 @@ def test_eight_bit_adam_stats_train_within_their_rounding_of_float32_moments(tra
     maximum, a moment read with another block's maximum, a code read as its neighbour) moves
     both 8-bit runs alike away from float32 moments, by 20 times their spread or more in the
     first 50 updates (tried by hand; the closing note of issue 46). And the runs do differ,
-    and it trained."""
+    and it trained (from above to below a uniform prediction's loss)."""
     ours, _ = trained(*EIGHT_BIT)
     reference, twin = trained()[0], trained(*EIGHT_BIT, other_draws=True)[0]
     assert_trains_within_noise(ours, reference, twin, UPDATES)
     got, want = per_update(ours), per_update(reference)
     assert per_update(twin) != got  # the twin drew other numbers
     assert got != want
-    assert float(got[UPDATES][0]) < 0.6 * float(got[1][0])  # it trained
+    # it trained: below what predicting every word alike scores, log2 of the dictionary's size
+    # (with label smoothing too: a uniform prediction's smoothed loss is its nll, log2 V)
+    words = int(re.search(r"\[src\] dictionary: (\d+) types", ours).group(1))
+    assert float(got[UPDATES][0]) < math.log2(words) < float(got[1][0]), (got[UPDATES], words)
 
 
 def assert_trains_within_noise(ours: str, reference: str, twin: str, updates: int) -> None:

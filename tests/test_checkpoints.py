@@ -10,7 +10,7 @@ import torch
 
 import fairseq_fsdp2  # noqa: F401  (allow-lists the classes fairseq pickles for torch.load)
 
-from conftest import REPO, stock_ddp
+from conftest import REPO, SHORT_GENERATION, stock_ddp
 from launcher import ok, run_command, run_ranks, train_inner, train_summary
 from numerics import (FP32_REORDERED, assert_runs_close, clipped_norms, per_update,
                       printed_close, printed_half_unit, sgd_reordered_bound)
@@ -193,7 +193,8 @@ def test_consolidated_export_equals_stock_ddp_and_stock_generate_reads_it(saved_
 
     def generate(path, *extra):  # fairseq-generate (forked: see launcher.run_command)
         proc = run_command("fairseq_cli.generate", corpus, "--path", path, "--gen-subset",
-                           "valid", "--beam", "2", "--max-tokens", "2000", "--cpu", *extra)
+                           "valid", "--beam", "2", "--max-tokens", "2000", "--cpu", *SHORT_GENERATION,
+                           *extra)
         assert proc.returncode == 0, proc.output[-2000:]
         # id and hypothesis (scores may differ in the last float digit)
         hyps = sorted((l.split("\t")[0], l.split("\t")[2]) for l in proc.output.splitlines()

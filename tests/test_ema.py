@@ -33,6 +33,7 @@ from fairseq import checkpoint_utils
 from fairseq.dataclass.configs import EMAConfig
 from fairseq.models.ema import EMA
 
+from conftest import SHORT_GENERATION
 from launcher import run_command
 from numerics import U16, U32, clipped_norms, sgd_reordered_bound
 from scenarios import (assert_resumed_exactly, assert_same_training, resumed_at,
@@ -294,7 +295,8 @@ def test_consolidated_export_holds_the_ema_where_fairseq_puts_it(ema, ours, stoc
     assert all(torch.equal(state["model"][k], want[k]) for k in want)
     assert "ema" not in state["extra_state"] and "ema_fp32_params" not in state["extra_state"]
     generate = run_command("fairseq_cli.generate", corpus, "--path", as_model, "--gen-subset",
-                           "valid", "--beam", "1", "--max-tokens", "2000", "--cpu")
+                           "valid", "--beam", "1", "--max-tokens", "2000", "--cpu",
+                           *SHORT_GENERATION)
     assert generate.returncode == 0, generate.output[-2000:]
     assert sum(line.startswith("H-") for line in generate.output.splitlines()) > 90
 

@@ -15,7 +15,7 @@ import torch
 
 import fairseq_fsdp2  # noqa: F401  (allow-lists the classes fairseq pickles for torch.load)
 
-from conftest import PLUGIN, REPO, TINY_MODEL, TRAINING
+from conftest import PLUGIN, REPO, SHORT_GENERATION, TINY_MODEL, TRAINING
 from hf_compare import AMPLIFICATION_GUARD, LOGIT_TOL, fairseq_logits, greedy, greedy_gaps
 from launcher import finish_ranks, ok, run_command, run_ranks, start_ranks
 from numerics import FP32_REORDERED, U32, per_update, printed_close
@@ -259,7 +259,8 @@ def test_merged_export_equals_the_unmerged_model_and_stock_generate_reads_it(run
     # the sharded checkpoint merged the same way: the same bits, so the same translations
     def generate(path, *extra):
         proc = run_command("fairseq_cli.generate", corpus, "--path", path, "--gen-subset",
-                           "valid", "--beam", "2", "--max-tokens", "2000", "--cpu", *extra)
+                           "valid", "--beam", "2", "--max-tokens", "2000", "--cpu", *SHORT_GENERATION,
+                           *extra)
         assert proc.returncode == 0, proc.output[-2000:]
         return sorted(line.split("\t")[::2] for line in proc.output.splitlines()
                       if line.startswith("H-"))

@@ -26,7 +26,7 @@ import re
 import pytest
 import torch
 
-from conftest import PLUGIN, REPO, stock_ddp
+from conftest import PLUGIN, REPO, SHORT_GENERATION, stock_ddp
 from launcher import ok, run_command, run_ranks
 from scenarios import BASE, FSDP2, Scenario, assert_resumed_exactly, assert_same_training, updates
 
@@ -93,7 +93,7 @@ def test_multilingual_resumes_exactly_and_stock_generate_reads_the_export(multil
     proc = run_command("fairseq_cli.generate", corpus, "--path", export, "--task",
                        "multilingual_translation", "--lang-pairs", PAIRS, "--source-lang", "src",
                        "--target-lang", "tgt", "--gen-subset", "valid", "--beam", "2",
-                       "--max-tokens", "2000", "--cpu")
+                       "--max-tokens", "2000", "--cpu", *SHORT_GENERATION)
     assert_translated(proc)
 
 
@@ -131,7 +131,7 @@ def test_translation_moe_trains_as_stock_resumes_exactly_and_stock_generate_read
     proc = run_command("fairseq_cli.generate", corpus, "--path",
                        root / "fsdp2" / "checkpoint_last_consolidated.pt", *MOE_TASK,
                        "--gen-expert", "0", "--gen-subset", "valid", "--beam", "2",
-                       "--max-tokens", "2000", "--cpu")
+                       "--max-tokens", "2000", "--cpu", *SHORT_GENERATION)
     assert_translated(proc)
 
 

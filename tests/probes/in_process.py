@@ -125,6 +125,7 @@ def main() -> None:
         distributed_utils.call_main(parsed(options.get_generation_parser(), [
             corpus, "--path", checkpoint, "--task", "translation", "--gen-subset", "valid",
             "--beam", 2, "--max-tokens", 500, "--cpu", "--num-workers", 0,
+            "--max-len-a", 0, "--max-len-b", 20,  # conftest.SHORT_GENERATION says why
             "--results-path", results]),
             generate.main)
         with open(os.path.join(results, "generate-valid.txt")) as f:

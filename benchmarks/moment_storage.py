@@ -25,10 +25,10 @@ import torch
 from fairseq.optim.adam import FairseqAdamConfig
 from omegaconf import OmegaConf
 
-from fairseq_fsdp2.optimizer import kernels
-from fairseq_fsdp2.optimizer.blockwise_8bit import dequantize, quantize
+from fairseq_fsdp2.optimizer.moments import kernels
+from fairseq_fsdp2.optimizer.moments.blockwise_8bit import dequantize, quantize
 from fairseq_fsdp2.optimizer.build import build_optimizer
-from fairseq_fsdp2.optimizer.stochastic_round import to_bf16_stochastic
+from fairseq_fsdp2.optimizer.moments.stochastic_round import to_bf16_stochastic
 from .harness import replace_section, versions
 
 BEGIN, END = "<!-- moment-storage: begin -->", "<!-- moment-storage: end -->"

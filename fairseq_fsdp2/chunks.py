@@ -8,13 +8,13 @@ from __future__ import annotations
 #: Adam's step a chunk of rows at a time, in elements (optimizer/row_chunk_step.py, STEP_CHUNK)
 STEP_ELEMENTS = 1 << 22
 #: 8-bit moments quantized and dequantized a chunk of rows at a time, in elements
-#: (optimizer/blockwise_8bit.py): on CPU (CPU_CHUNK), on a GPU (CUDA_CHUNK), and the chunk the
-#: estimator allows for (CHUNK)
+#: (optimizer/moments/blockwise_8bit.py): on CPU (CPU_CHUNK), on a GPU (CUDA_CHUNK), and the
+#: chunk the estimator allows for (CHUNK)
 QUANTIZE_CPU_ELEMENTS = 1 << 18
 QUANTIZE_CUDA_ELEMENTS = 1 << 22
 QUANTIZE_ESTIMATED_ELEMENTS = 1 << 21
 #: bf16's stochastic rounding, elements per batch of random integers
-#: (optimizer/stochastic_round.py, CHUNK)
+#: (optimizer/moments/stochastic_round.py, CHUNK)
 ROUND_ELEMENTS = 1 << 20
 #: the fused loss's logits widened to float32 at once, in elements (criterions/fused.py,
 #: FLOAT_ELEMENTS)

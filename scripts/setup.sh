@@ -30,7 +30,7 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 # The plugin itself, editable, so that `--user-dir fairseq_fsdp2` and `import fairseq_fsdp2` agree.
 "${pip[@]}" install --no-deps --no-build-isolation -e "$root"
 "$venv/bin/python" -c "import torch, fairseq, fairseq_fsdp2; print('[setup] torch', torch.__version__, 'fairseq', fairseq.__version__)" >&2
-# The 8-bit moments' C++ CPU kernel (fairseq_fsdp2/optimizer/kernels.py), built now (about 30
+# The 8-bit moments' C++ CPU kernel (fairseq_fsdp2/optimizer/moments/kernels.py), built now (about 30
 # CPU-s, then cached by PyTorch) rather than by the first run that needs it; where it cannot be
 # built, a warning says so and runs compute the same values without it.
 "$venv/bin/python" "$root/scripts/build_kernels.py" >&2

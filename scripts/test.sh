@@ -11,7 +11,7 @@ cd "$root"
 # processes compiles it again (0.22 CPU-s against 0.14 from bytecode, measured on an AMD EPYC). compileall writes
 # the cache anyway, and Python reads it whatever that variable says.
 "$root/.venv/bin/python" -m compileall -q fairseq_fsdp2 tests >/dev/null
-# The 8-bit moments' C++ kernel (fairseq_fsdp2/optimizer/kernels.py): setup.sh built it when it
+# The 8-bit moments' C++ kernel (fairseq_fsdp2/optimizer/moments/kernels.py): setup.sh built it when it
 # installed; loaded here (or built again, where PyTorch's cache was cleared since) rather than
 # by the first test process that needs it.
 "$root/.venv/bin/python" scripts/build_kernels.py

@@ -15,8 +15,10 @@ from omegaconf import OmegaConf
 
 from numerics import U32
 
-from fairseq_fsdp2.optimizer.adam_stats import ABSMAX_KEYS, SCALE_KEYS
-from fairseq_fsdp2.optimizer.blockwise_8bit import BLOCK, dequantize, dynamic_map, quantizable
+from fairseq_fsdp2.optimizer.moments.blockwise_8bit import (BLOCK, dequantize, dynamic_map,
+                                                            quantizable)
+from fairseq_fsdp2.optimizer.moments.eight_bit import ABSMAX_KEYS
+from fairseq_fsdp2.optimizer.moments.sixteen_bit import SCALE_KEYS
 from fairseq_fsdp2.optimizer.build import build_optimizer
 
 BETAS = (0.9, 0.999)

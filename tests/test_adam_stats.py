@@ -21,7 +21,7 @@ from moment_bounds import (BETAS, assert_16_bit_moments_within_bound,
                            assert_bf16_second_moment_decays, effective, plugin_adam)
 from numerics import BF16_MOMENT, EIGHT_BIT_SIGNED_GAP, FP16_MOMENT, U32
 
-from fairseq_fsdp2.optimizer.blockwise_8bit import quantizable
+from fairseq_fsdp2.optimizer.moments.blockwise_8bit import quantizable
 
 PROBES = str(REPO / "tests" / "probes")
 

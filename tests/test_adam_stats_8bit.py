@@ -43,7 +43,8 @@ from moment_bounds import (assert_8_bit_second_moment_decays, assert_8_bit_steps
 from numerics import U32, assert_within_noise, per_update
 from scenarios import shard_tensors
 
-from fairseq_fsdp2.optimizer.blockwise_8bit import BLOCK, dequantize, dynamic_map, quantize
+from fairseq_fsdp2.optimizer.moments.blockwise_8bit import (BLOCK, dequantize, dynamic_map,
+                                                            quantize)
 
 
 def test_the_maps_are_bitsandbytes_dynamic_maps():

@@ -42,7 +42,7 @@ from test_cuda import GIB, NLLB_VOCAB, record_row
 
 from fairseq_fsdp2.estimator.from_args import build_meta_model, parse, setup_for
 from fairseq_fsdp2.estimator.ledger import step_temporary_bytes
-from fairseq_fsdp2.optimizer.blockwise_8bit import quantizable
+from fairseq_fsdp2.optimizer.moments.blockwise_8bit import quantizable
 from fairseq_fsdp2.optimizer.build import build_optimizer
 from fairseq_fsdp2.optimizer.row_chunk_step import STEP_CHUNK
 

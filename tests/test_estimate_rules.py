@@ -236,7 +236,8 @@ def test_8_bit_adam_moments_take_a_byte_per_element_and_a_float32_per_block():
     time: its moments in float32 (8 bytes per element), and Adam's denominator or the
     quantization's temporaries, the larger (row_chunk_step.py). Another
     backend refuses the flag (training): the estimate counts fp32 there."""
-    from fairseq_fsdp2.optimizer.blockwise_8bit import CHUNK, TEMPORARY_BYTES, quantizable
+    from fairseq_fsdp2.optimizer.moments.blockwise_8bit import (CHUNK, TEMPORARY_BYTES,
+                                                                quantizable)
     from fairseq_fsdp2.optimizer.row_chunk_step import STEP_CHUNK
     base = nllb_args("transformer_nllb_tiny")
     args = from_args.parse(base + ["--eight-bit-adam-stats"])
@@ -271,7 +272,7 @@ def test_16_bit_gradient_shards_and_the_row_chunked_step():
     16-bit shard is not cast; the step's temporaries are one chunk's, not the embedding
     shard's. Not with fp16 moments (their scale needs the whole tensor), --update-freq 2
     (gradients added over micro-batches would round in 16 bits), --cpu-offload."""
-    from fairseq_fsdp2.optimizer.blockwise_8bit import CHUNK, TEMPORARY_BYTES
+    from fairseq_fsdp2.optimizer.moments.blockwise_8bit import CHUNK, TEMPORARY_BYTES
     from fairseq_fsdp2.optimizer.row_chunk_step import STEP_CHUNK
     base = nllb_args("transformer_nllb_3_3b", "--criterion", "label_smoothed_cross_entropy_chunked",
                      "--loss-chunk-tokens", "256", "--fsdp2-root-reshard", "always",

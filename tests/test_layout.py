@@ -406,3 +406,150 @@ def test_the_outside_checks_find_what_they_look_for(tmp_path):
     assert installed_packages(tmp_path) == [PACKAGE]
     (tmp_path / "pyproject.toml").write_text('[tool.setuptools.packages.find]\ninclude = ["*"]\n')
     assert sorted(installed_packages(tmp_path)) == ["benchmarks", PACKAGE]
+
+
+#: the one folder that knows what a moment format is (its dtypes, its side keys, its names):
+#: the step and the estimator ask its format objects (optimizer/moments/__init__.py)
+MOMENTS_FOLDER = f"{PACKAGE}.optimizer.moments"
+#: the dtypes a moment format stores (as torch names them)
+MOMENT_DTYPES = {"torch.uint8", "torch.float16", "torch.half", "torch.bfloat16"}
+#: the parts that name those dtypes for what is not a moment: the compute and reduce dtypes of
+#: the precision flags, the 16-bit gradient shards (SIXTEEN_BIT_GRADS), the estimator's
+#: parameters and activations by precision
+DTYPES_FOR_OTHER_THINGS = {f"{PACKAGE}.optimizer.mixed_precision",
+                           f"{PACKAGE}.optimizer.local_shard_step",
+                           f"{PACKAGE}.estimator.model_profile"}
+#: where a dtype may not name a moment format's, nor a format be compared with a format's name:
+#: the step and the estimator (elsewhere a format's name picks its flag: the benchmarks)
+RULES_CHECKED = (f"{PACKAGE}.optimizer.", f"{PACKAGE}.estimator.")
+#: names a moment format is held by, when compared with a format's name
+FORMAT_HOLDERS = {"adam_stats", "stats", "moments", "moment_format"}
+#: where the formats' names are (settings.py's rules take a name: below optimizer/, it cannot
+#: ask the format; tests/test_moment_formats.py checks its rules agree with the formats)
+SETTINGS = f"{PACKAGE}.settings"
+
+
+def _in_moments(name: str) -> bool:
+    return name == MOMENTS_FOLDER or name.startswith(MOMENTS_FOLDER + ".")
+
+
+def side_key_tables(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """The side-key tables of the moments folder, from its source: name -> the state keys of a
+    dict literal keyed by both moments (``SCALE_KEYS = {"exp_avg": "exp_avg_scale", ...}``)."""
+    tables: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        if not _in_moments(name):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict) and \
+                    len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                keys = [k.value for k in node.value.keys if isinstance(k, ast.Constant)]
+                values = [v.value for v in node.value.values if isinstance(v, ast.Constant)]
+                if sorted(keys) == ["exp_avg", "exp_avg_sq"] and \
+                        all(isinstance(v, str) for v in values) and len(values) == 2:
+                    tables[node.targets[0].id] = set(values)
+    return tables
+
+
+def format_names(modules: dict[str, Path]) -> set[str]:
+    """settings.MOMENT_FORMATS, from its source, but ``fp32`` (fairseq's own: comparing with it
+    asks whether anything is stored otherwise, not how)."""
+    tree = ast.parse(modules[SETTINGS].read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "MOMENT_FORMATS" for t in node.targets):
+            return {e.value for e in node.value.elts} - {"fp32"}
+    return set()
+
+
+def _constants(node: ast.AST) -> set:
+    if isinstance(node, ast.Constant):
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return {e.value for e in node.elts if isinstance(e, ast.Constant)}
+    return set()
+
+
+def _holder(node: ast.AST) -> str | None:
+    name = node.attr if isinstance(node, ast.Attribute) else \
+        node.id if isinstance(node, ast.Name) else None
+    return name if name in FORMAT_HOLDERS else None
+
+
+def moment_format_bypasses(modules: dict[str, Path]) -> list[str]:
+    """Where a module outside the moments folder knows what only a format should: a side key
+    (anywhere: the string, or a side-key table imported); in the step and the estimator, a
+    moment dtype named, or a format held by name compared with a format's name."""
+    tables = side_key_tables(modules)
+    keys = set().union(*tables.values()) if tables else set()
+    names = format_names(modules)
+    found = []
+    for name, path in modules.items():
+        if _in_moments(name):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        bound = _names_bound(tree)
+        rules = name.startswith(RULES_CHECKED)
+        dtypes = rules and name not in DTYPES_FOR_OTHER_THINGS
+        for node in ast.walk(tree):
+            if dtypes and isinstance(node, ast.Attribute) and \
+                    _dotted(node, bound) in MOMENT_DTYPES:
+                found.append(f"{name}:{node.lineno}: {_dotted(node, bound)}")
+            elif isinstance(node, ast.Constant) and node.value in keys:
+                found.append(f"{name}:{node.lineno}: {node.value!r}")
+            elif isinstance(node, ast.ImportFrom) and \
+                    any(a.name in tables for a in node.names):
+                found.append(f"{name}:{node.lineno}: imports "
+                             f"{', '.join(a.name for a in node.names if a.name in tables)}")
+            elif isinstance(node, ast.Compare) and rules:
+                sides = [node.left, *node.comparators]
+                held = [h for h in map(_holder, sides) if h]
+                named = set().union(*map(_constants, sides)) & names
+                if held and named:
+                    found.append(f"{name}:{node.lineno}: {held[0]} compared with "
+                                 f"{', '.join(sorted(named))}")
+    return sorted(found)
+
+
+def test_only_the_moments_folder_knows_a_moment_format():
+    assert side_key_tables(MODULES), "the moments folder's side-key tables are found"
+    assert format_names(MODULES) >= {"fp16", "bf16", "8bit"}
+    assert not moment_format_bypasses(MODULES)
+
+
+def test_the_moment_format_check_finds_what_it_looks_for(tmp_path):
+    """On a made-up package: a dtype compared in the step, a side key read by its string and
+    through its imported table, a format's name compared in the estimator are found; the same
+    inside the moments folder, a dtype of the precision flags, settings.py's rule and a
+    benchmark's flag from a format's name are left alone."""
+    sources = {
+        "__init__.py": "",
+        "settings.py": "MOMENT_FORMATS = ('fp32', 'fp16', '8bit')\n"
+                       "def f(moments):\n    return moments != 'fp16'\n",
+        "optimizer/__init__.py": "",
+        "optimizer/moments/__init__.py": "",
+        "optimizer/moments/eight_bit.py": "import torch\n"
+                                          "ABSMAX_KEYS = {'exp_avg': 'exp_avg_absmax', "
+                                          "'exp_avg_sq': 'exp_avg_sq_absmax'}\n"
+                                          "SIGNED = {'exp_avg': True, 'exp_avg_sq': False}\n"
+                                          "def f(v):\n    return v.dtype == torch.uint8\n",
+        "optimizer/step.py": "import torch as t\nfrom .moments.eight_bit import ABSMAX_KEYS\n"
+                             "def f(state, v):\n    if v.dtype == t.uint8:\n"
+                             "        return state['exp_avg_sq_absmax']\n"
+                             "    return v.to(t.float32)\n",
+        "optimizer/mixed_precision.py": "import torch\nHALF = torch.float16\n",
+        "benchmarks/__init__.py": "",
+        "benchmarks/run.py": "def flags(stats):\n    return {'bf16': stats == 'fp16'}\n",
+        "estimator/__init__.py": "",
+        "estimator/ledger.py": "def f(setup):\n    return 2 if setup.adam_stats in ('fp16', "
+                               "'bf16') else setup.adam_stats != 'fp32'\n",
+    }
+    for rel, text in sources.items():
+        (tmp_path / PACKAGE / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / PACKAGE / rel).write_text(text)
+    modules = modules_under(tmp_path)
+    step, ledger = f"{PACKAGE}.optimizer.step", f"{PACKAGE}.estimator.ledger"
+    assert side_key_tables(modules) == {"ABSMAX_KEYS": {"exp_avg_absmax", "exp_avg_sq_absmax"}}
+    assert moment_format_bypasses(modules) == sorted([
+        f"{step}:2: imports ABSMAX_KEYS", f"{step}:4: torch.uint8",
+        f"{step}:5: 'exp_avg_sq_absmax'", f"{ledger}:2: adam_stats compared with fp16"])

@@ -23,10 +23,10 @@ import threading
 import pytest
 import torch
 
-from fairseq_fsdp2.optimizer import kernels
-from fairseq_fsdp2.optimizer.blockwise_8bit import (BLOCK, CPU_CHUNK, dequantize, dynamic_map,
-                                                    quantize)
-from fairseq_fsdp2.optimizer.stochastic_round import to_bf16_stochastic
+from fairseq_fsdp2.optimizer.moments import kernels
+from fairseq_fsdp2.optimizer.moments.blockwise_8bit import (BLOCK, CPU_CHUNK, dequantize,
+                                                            dynamic_map, quantize)
+from fairseq_fsdp2.optimizer.moments.stochastic_round import to_bf16_stochastic
 
 from conftest import REQUIRE_FIXTURE_DEPS
 
@@ -153,8 +153,8 @@ def test_the_end_of_a_run_drops_every_threads_buffers_and_tables():
     background save's): release_workspaces, which a run's end calls, drops both threads'
     buffers (8-bit quantize's workspace, bf16 rounding's draws) and the per-device tables.
     tests/test_in_process.py checks that a run calls it."""
-    from fairseq_fsdp2.optimizer.blockwise_8bit import kept_state, release_workspaces
-    from fairseq_fsdp2.optimizer.stochastic_round import to_bf16_stochastic
+    from fairseq_fsdp2.optimizer.moments.blockwise_8bit import kept_state, release_workspaces
+    from fairseq_fsdp2.optimizer.moments.stochastic_round import to_bf16_stochastic
 
     def work() -> None:
         quantize(torch.randn(4, 512), True, torch.Generator().manual_seed(1))

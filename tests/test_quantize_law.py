@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from fairseq_fsdp2.optimizer.blockwise_8bit import BLOCK, dynamic_map, quantize
+from fairseq_fsdp2.optimizer.moments.blockwise_8bit import BLOCK, dynamic_map, quantize
 
 #: stores of every input
 R = 4096

@@ -23,11 +23,12 @@ from fairseq.optim.adam import Adam as FairseqAdam
 from fairseq.optim.adam import FairseqAdamConfig
 from omegaconf import OmegaConf
 
-from fairseq_fsdp2.optimizer.blockwise_8bit import BLOCK, dynamic_map
+from fairseq_fsdp2.optimizer.moments.blockwise_8bit import BLOCK, dynamic_map
 from fairseq_fsdp2.optimizer.build import build_optimizer
-from fairseq_fsdp2.optimizer.row_chunk_step import (ABSMAX_KEYS, MOMENTS, STEP_CHUNK,
-                                                    rows_per_chunk, stream_seed)
-from fairseq_fsdp2.optimizer.stochastic_round import generator_for
+from fairseq_fsdp2.optimizer.moments.eight_bit import ABSMAX_KEYS
+from fairseq_fsdp2.optimizer.moments.format import MOMENTS
+from fairseq_fsdp2.optimizer.row_chunk_step import STEP_CHUNK, rows_per_chunk, stream_seed
+from fairseq_fsdp2.optimizer.moments.stochastic_round import generator_for
 
 SHAPES = [(50, 300), (24, 40), (700, 7), (5000,), (8, 16), (0, 64)]
 STEPS = 6

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..errors import CheckpointError
 from ..models import lora
-from ..optimizer.fit_saved_state import fit_to_saved
+from ..optimizer.moments.fit_saved_state import fit_to_saved
 from .safe_load import read_checkpoint_file
 
 #: Key marking a state entry that lives in a DCP directory (its value: the directory,

@@ -34,7 +34,7 @@ STOCK = ("--min-params-to-wrap", "100000000", "--criterion", "label_smoothed_cro
 CKPT = ("--checkpoint-activations",)
 #: Adam's moments in 16 bits (optimizer/adam_stats.py); --bf16 --bf16-adam-stats: the same bytes
 STATS16 = ("--fp16-adam-stats",)
-#: ... in 8 bits (optimizer/blockwise_8bit.py), with the gradients reduce-scattered in fp16
+#: ... in 8 bits (optimizer/moments/blockwise_8bit.py), with the gradients reduce-scattered in fp16
 STATS8 = ("--eight-bit-adam-stats",)
 REDUCE16 = ("--fsdp2-reduce-dtype", "fp16")
 #: LoRA (docs/lora.md): adapters of rank 16 on the default modules, the base frozen in fp16

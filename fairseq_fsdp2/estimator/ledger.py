@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .. import settings
+from ..optimizer import moments
 from ..optimizer.adam_stats import BUCKET_MIN
-from ..optimizer.blockwise_8bit import CHUNK, TEMPORARY_BYTES, absmax_shape, quantizable
+from ..optimizer.moments.format import MOMENTS, MomentFormat
 from ..optimizer.row_chunk_step import STEP_CHUNK
 from .model_profile import UnitSpec
 
@@ -122,34 +123,29 @@ def optimizer_states(setup: Setup) -> int:
     return OPTIMIZER_STATES.get(setup.optimizer, 2)
 
 
+def adam_moments(setup: Setup) -> Optional[MomentFormat]:
+    """The format of fairseq's Adam's moments between steps (optimizer/moments/: what the
+    optimizer stores them as), None for another optimizer."""
+    return moments.named(setup.adam_stats) if setup.optimizer == "adam" else None
+
+
 def state_bytes(setup: Setup) -> int:
-    """Bytes per element of each optimizer state tensor: fairseq's Adam with 16-bit moments
-    keeps 2 (optimizer/adam_stats.py), every other optimizer float32."""
-    return 2 if setup.optimizer == "adam" and setup.adam_stats in ("fp16", "bf16") else 4
-
-
-def eight_bit(setup: Setup) -> bool:
-    """--eight-bit-adam-stats on fairseq's Adam (optimizer/adam_stats.py)."""
-    return setup.optimizer == "adam" and setup.adam_stats == "8bit"
-
-
-def eight_bit_moment_bytes(shape: tuple[int, ...], rows: int) -> int:
-    """One 8-bit moment of ``rows`` rows of a parameter of (whole) ``shape``: a byte per element
-    and a float32 maximum per block of a row (optimizer/blockwise_8bit.py), or float32 for a
-    parameter too small (or 1-D) for 8 bits."""
-    row = math.prod(shape[1:])
-    if not quantizable(shape):
-        return 4 * rows * row
-    return rows * row + 4 * rows * absmax_shape(shape)[1]
+    """Bytes per element of each optimizer state tensor where that is the same for every
+    parameter: fairseq's Adam's moments take their format's (16 bits: 2), every other
+    optimizer's states float32 (and 8-bit moments' are counted by shape)."""
+    fmt = adam_moments(setup)
+    return fmt.element_bytes if fmt is not None and fmt.element_bytes else 4
 
 
 def optimizer_state_bytes(setup: Setup, elements: int, shapes=(), shards: int = 1,
                           rank: int = 0) -> int:
-    """The optimizer state kept for ``elements`` parameter elements; with 8-bit moments, for
-    this ``rank``'s dim-0 shards (of ``shards``) of parameters of ``shapes``."""
-    if eight_bit(setup):
-        return 2 * sum(eight_bit_moment_bytes(shape, shard_rows(shape[0], shards, rank)[0])
-                       for shape in shapes)
+    """The optimizer state kept for ``elements`` parameter elements; with moments whose bytes
+    depend on the parameter's shape (8 bits), for this ``rank``'s dim-0 shards (of
+    ``shards``) of parameters of ``shapes``."""
+    fmt = adam_moments(setup)
+    if fmt is not None and fmt.element_bytes is None:
+        return len(MOMENTS) * sum(
+            fmt.moment_bytes(shape, shard_rows(shape[0], shards, rank)[0]) for shape in shapes)
     return optimizer_states(setup) * state_bytes(setup) * elements
 
 
@@ -167,19 +163,19 @@ def step_temporary_bytes(setup: Setup, largest: int, total: int, buckets: bool =
 
     Stepped a chunk of rows at a time (row_chunked; at most STEP_CHUNK elements a call): the
     chunk's moments widened to float32 (8 bytes per element; none for float32 moments, stepped
-    where they are), its 16-bit gradient widened (4) and Adam's float32 denominator (4), or,
-    once Adam is done, in its place the narrowing's temporaries: bf16's random integers (4), or
-    8 bits' quantization of a chunk (blockwise_8bit.py). Otherwise: one float32 temporary of
-    the largest parameter (Adam's denominator); with fp16 moments (fairseq's scale is the whole
-    tensor's maximum), a bucket's moments widened to float32 as well (optimizer/adam_stats.py:
-    at most max(largest, BUCKET_MIN) elements and no more than there are, small parameters'
-    16-bit moments kept, a large one's released): 8 bytes per element. ``buckets=False``:
-    stock fairseq's FusedAdamV1, one parameter at a time."""
+    where they are: the format's widened_bytes), its 16-bit gradient widened (4) and Adam's
+    float32 denominator (4), or, once Adam is done, in its place the narrowing's temporaries
+    (the format's narrow_bytes: bf16's random integers, 4, or 8 bits' quantization of a
+    chunk). Otherwise: one float32 temporary of the largest parameter (Adam's denominator);
+    with fp16 moments (fairseq's scale is the whole tensor's maximum), a bucket's moments
+    widened to float32 as well (optimizer/adam_stats.py: at most max(largest, BUCKET_MIN)
+    elements and no more than there are, small parameters' 16-bit moments kept, a large one's
+    released): 8 bytes per element. ``buckets=False``: stock fairseq's FusedAdamV1, one
+    parameter at a time."""
     if buckets and row_chunked(setup):
-        n = min(STEP_CHUNK, total)
-        widened = (8 if setup.adam_stats != "fp32" else 0) + (4 if setup.narrow_grads else 0)
-        last = TEMPORARY_BYTES * min(CHUNK, n) if eight_bit(setup) else 4 * n
-        return widened * n + max(4 * n, last)
+        fmt, n = adam_moments(setup), min(STEP_CHUNK, total)
+        widened = len(MOMENTS) * fmt.widened_bytes + (4 if setup.narrow_grads else 0)
+        return widened * n + max(4 * n, fmt.narrow_bytes(n))
     if state_bytes(setup) == 4:
         return 4 * largest
     return 8 * (min(max(largest, BUCKET_MIN), total) if buckets else largest)

@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..sharding.mesh import comm_device
-from .local_shard_step import multiply_grads
-from .row_chunk_step import SIXTEEN_BIT, STEP_CHUNK, rows_per_chunk, widened
+from .local_shard_step import SIXTEEN_BIT_GRADS, multiply_grads
+from .row_chunk_step import STEP_CHUNK, rows_per_chunk, widened
 
 
 def total_norm(grads: list[torch.Tensor], factors: Sequence = ()) -> torch.Tensor:
@@ -41,7 +41,7 @@ def total_norm(grads: list[torch.Tensor], factors: Sequence = ()) -> torch.Tenso
     sharded = _sharded_layout(grads)
     if sharded is not None:
         return _norm_of_local_shards(grads, *sharded, factors)
-    if any(g.dtype in SIXTEEN_BIT for g in grads):  # through DTensor dispatch: widened whole
+    if any(g.dtype in SIXTEEN_BIT_GRADS for g in grads):  # by DTensor dispatch: widened whole
         grads = [widened(g, factors) for g in grads]
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False)
     if not isinstance(norm, DTensor):
@@ -100,7 +100,7 @@ def widening_space(grads: list[torch.Tensor], chunk: int = STEP_CHUNK) -> Option
     (local shards) into; None when none is 16-bit."""
     sizes = []
     for g in grads:
-        if g.dtype in SIXTEEN_BIT:
+        if g.dtype in SIXTEEN_BIT_GRADS:
             _, row, per = _row_chunking(g, chunk)
             sizes.append(min(g.numel(), per * row))
     if not sizes:

@@ -26,6 +26,9 @@ from torch.distributed.tensor import DTensor
 
 #: Optimizers whose ``step`` is elementwise per parameter (module, class name).
 ELEMENTWISE = frozenset({("fairseq.optim.adam", "Adam")})
+#: the dtypes of the gradient shards FSDP2 may leave in 16 bits (sharding/narrow_grads.py): the
+#: step widens them (row_chunk_step.py), multiply_grads leaves their factors pending
+SIXTEEN_BIT_GRADS = (torch.float16, torch.bfloat16)
 
 
 @contextlib.contextmanager
@@ -114,7 +117,7 @@ def multiply_grads(params: Iterable[torch.Tensor], c, pending: Optional[list] = 
         for view in views:
             if view.grad is None:
                 continue
-            if pending is not None and view.grad.dtype in (torch.float16, torch.bfloat16):
+            if pending is not None and view.grad.dtype in SIXTEEN_BIT_GRADS:
                 deferred = True
                 continue
             by_kind.setdefault((view.grad.device, view.grad.dtype), []).append(view.grad)

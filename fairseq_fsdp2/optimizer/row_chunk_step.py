@@ -1,5 +1,5 @@
 """Adam's step a chunk of rows at a time, with its moments stored in float32, bf16 or 8 bits
-between steps (adam_stats.py), and 16-bit gradient shards widened a chunk at a time.
+between steps (their formats: moments/), and 16-bit gradient shards widened a chunk at a time.
 
 Why: with moments stored narrow, the step must widen them to float32 for fairseq's Adam. Widened
 a whole parameter at a time, the largest shard's moments set the step's peak: NLLB-3.3B's shared
@@ -40,21 +40,16 @@ from torch.distributed.tensor import DTensor
 
 from .. import chunks
 from ..sharding.mesh import local_part
-from .blockwise_8bit import dequantize, quantizable, quantize, rows_like
-from .stochastic_round import generator_for, to_bf16_stochastic
+from . import moments
+from .local_shard_step import SIXTEEN_BIT_GRADS
+from .moments.format import MOMENTS, MomentFormat, shard_dims
+from .moments.stochastic_round import generator_for
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
-SCALE_KEYS = {"exp_avg": "exp_avg_scale", "exp_avg_sq": "exp_avg_sq_scale"}
-#: 8 bits: the float32 block maxima of each moment's codes
-ABSMAX_KEYS = {"exp_avg": "exp_avg_absmax", "exp_avg_sq": "exp_avg_sq_absmax"}
-#: 8 bits: the first moment's map is signed, the second's unsigned
-SIGNED = {"exp_avg": True, "exp_avg_sq": False}
 #: elements stepped at once (a chunk of a large parameter's rows, or several small parameters)
 STEP_CHUNK = chunks.STEP_ELEMENTS
 #: a chunk's elements are a multiple of this: of 4 (bf16's rounding takes four elements' draws
 #: from each 64-bit draw), and of the widest CPU vector loop's unit (2 x 16 float32 lanes, twice)
 ALIGN = 64
-SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 
 def stream_seed(*parts: int) -> int:
@@ -63,26 +58,6 @@ def stream_seed(*parts: int) -> int:
     for part in parts:
         value = (value * 1_000_003 + int(part)) % (1 << 63)
     return value
-
-
-def like(local: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
-    """``local`` as the DTensor ``template`` is (its mesh, placements, global shape)."""
-    if not isinstance(template, DTensor):
-        return local
-    return DTensor.from_local(local, template.device_mesh, template.placements, run_check=False,
-                              shape=template.shape, stride=template.stride())
-
-
-def rows_sharded(p: torch.Tensor) -> bool:
-    """Whether ``p`` is a plain tensor or sharded on dim 0 only (FSDP2's default): then its
-    8-bit blocks, within rows, lie on one rank each."""
-    return not isinstance(p, DTensor) or all(
-        not pl.is_shard() or pl.dim == 0 for pl in p.placements)
-
-
-def shard_dims(p: torch.Tensor) -> list[int]:
-    return [d for d, pl in enumerate(p.placements) if pl.is_shard()] \
-        if isinstance(p, DTensor) else []
 
 
 def shard_coordinate(p: torch.Tensor) -> list[int]:
@@ -104,7 +79,7 @@ def widened(grad: torch.Tensor, factors: list,
     """A gradient (chunk) in float32 with the pending factors applied in order: a 16-bit one
     widened (exact) into ``out`` (flat, at least grad's elements) or a new tensor; a float32
     one as it is (its factors were applied)."""
-    if grad.dtype not in SIXTEEN_BIT:
+    if grad.dtype not in SIXTEEN_BIT_GRADS:
         return grad
     wide = grad.float() if out is None else out[:grad.numel()].view(grad.shape).copy_(grad)
     for c in factors:
@@ -113,30 +88,26 @@ def widened(grad: torch.Tensor, factors: list,
 
 
 class _Moment:
-    """One moment of one parameter through a chunked step: where its rows are read from (the
-    stored format) and written to (the run's format, in place when they agree)."""
+    """One moment of one parameter through a chunked step: its rows read from the format it is
+    stored in, written in the run's format for the parameter (``fmt``: in place when they
+    agree)."""
 
-    def __init__(self, state: dict, key: str, fmt: torch.dtype, p: torch.Tensor,
+    def __init__(self, state: dict, key: str, fmt: MomentFormat, p: torch.Tensor,
                  generator_seed: int):
         self.key, self.fmt, self.p, self.seed = key, fmt, p, generator_seed
+        self.stored = moments.stored_format(state, key)
         self.old = state.get(key)
-        self.scale = state.get(SCALE_KEYS[key])
-        self.old_absmax = state.get(ABSMAX_KEYS[key])
+        side_key = self.stored.side_key(key) if self.stored is not None else None
+        self.old_side = state.get(side_key) if side_key else None
         self.generator: Optional[torch.Generator] = None
         self.src = None if self.old is None else local_part(self.old)
-        self.src_absmax = None if self.old_absmax is None else local_part(self.old_absmax)
-        local = local_part(p)
-        in_place = self.old is not None and self.src.dtype == fmt and self.scale is None and \
-            (fmt != torch.uint8 or self.old_absmax is not None)
+        self.src_side = None if self.old_side is None else local_part(self.old_side)
+        # in place: stored in the run's format, with its side where it has one
+        in_place = self.stored is fmt and (side_key is None or self.old_side is not None)
         if in_place:
-            self.dest, self.dest_absmax = self.src, self.src_absmax
+            self.dest, self.dest_side = self.src, self.src_side
         else:
-            self.dest = torch.empty(local.shape, dtype=fmt, device=local.device)
-            self.dest_absmax = None
-            if fmt == torch.uint8:
-                row = math.prod(local.shape[1:])
-                self.dest_absmax = torch.empty((local.shape[0], -(-row // 256)),
-                                               dtype=torch.float32, device=local.device)
+            self.dest, self.dest_side = fmt.empty(local_part(p))
         self.in_place = in_place
 
     def read(self, a: int, b: int, scratch: "_Scratch", offset: int) -> Optional[torch.Tensor]:
@@ -145,57 +116,44 @@ class _Moment:
         if self.src is None:
             return None
         src = rows_of(self.src, a, b)
-        if self.src.dtype == torch.float32 and self.scale is None:
-            return src
-        wide = scratch.get(self.key, offset, src.numel()).view(src.shape)
-        if self.src.dtype == torch.uint8:
-            return dequantize(src, self.src_absmax[a:b], SIGNED[self.key], out=wide)
-        wide.copy_(src)
-        return wide.mul_(self.scale) if self.scale is not None else wide
+        out = scratch.get(self.key, offset, src.numel()).view(src.shape) \
+            if self.stored.widened_bytes else None
+        return self.stored.widen(src, self.stored.side_rows(self.src_side, a, b), self.key,
+                                 out=out)
 
     def write(self, a: int, b: int, value: torch.Tensor) -> None:
-        dest = rows_of(self.dest, a, b)
-        if self.fmt == torch.float32:
-            if not self.in_place or value.data_ptr() != dest.data_ptr():
-                dest.copy_(value)
-            return
-        if self.generator is None:
+        if self.generator is None and self.fmt.draws:
             self.generator = generator_for(value.device, self.seed)
-        if self.fmt == torch.bfloat16:
-            to_bf16_stochastic(value, self.generator, out=dest)
-        else:
-            quantize(value, SIGNED[self.key], self.generator, codes=dest,
-                     absmax=self.dest_absmax[a:b])
+        self.fmt.narrow(value, self.key, self.generator, dest=rows_of(self.dest, a, b),
+                        side=self.fmt.side_rows(self.dest_side, a, b))
 
     def store(self, state: dict) -> None:
-        """The moment as the parameter's state: the old DTensor where its rows were updated in
-        place, else the new tensor laid out like the parameter."""
-        state.pop(SCALE_KEYS[self.key], None)
-        state.pop(ABSMAX_KEYS[self.key], None)
+        """The moment as the parameter's state: the old DTensors where its rows were updated in
+        place, else the new tensors laid out like the parameter."""
+        for side_key in moments.side_keys(self.key):
+            state.pop(side_key, None)
         if self.in_place:
-            state[self.key] = self.old
-            if self.old_absmax is not None:
-                state[ABSMAX_KEYS[self.key]] = self.old_absmax
-            return
-        state[self.key] = like(self.dest, self.p)
-        if self.dest_absmax is not None:
-            state[ABSMAX_KEYS[self.key]] = rows_like(self.dest_absmax, self.p)
+            stored, side = self.old, self.old_side
+        else:
+            stored, side = self.fmt.laid_out(self.dest, self.dest_side, self.p)
+        state[self.key] = stored
+        if side is not None:
+            state[self.fmt.side_key(self.key)] = side
 
 
 class RowChunkSteps:
     """Mixin for fairseq's Adam under SixteenBitMoments (adam_stats.py): ``step_in_row_chunks``
     steps every parameter with a gradient a chunk of rows at a time, its moments kept in the
-    run's format (``moment_dtype``; parameters too small for 8 bits keep float32)."""
+    run's format (``moments``; parameters too small for 8 bits keep float32)."""
 
     #: elements stepped at once (tests set it small to compare with one chunk a parameter)
     step_chunk: int = STEP_CHUNK
     #: factors multiply_grads left pending for the 16-bit gradients (grad_norm.py)
     grad_factors: list = []
 
-    def moment_format(self, p: torch.Tensor) -> torch.dtype:
-        if self.moment_dtype == torch.uint8:
-            return torch.uint8 if quantizable(p.shape) and rows_sharded(p) else torch.float32
-        return self.moment_dtype
+    def format_for(self, p: torch.Tensor) -> MomentFormat:
+        """The format of ``p``'s moments in this run (8 bits: float32 for a small one)."""
+        return self.moments.for_parameter(p)
 
     def step_in_row_chunks(self) -> None:
         index = 0
@@ -210,7 +168,7 @@ class RowChunkSteps:
                     continue
                 state = self.state.get(p) or {}
                 step = state.get("step", 0) + 1
-                fmt = self.moment_format(p)
+                fmt = self.format_for(p)
                 entry = [_Moment(state, key, fmt, p, stream_seed(
                     self.stats_seed, step, index, k, *shard_coordinate(p)))
                     for k, key in enumerate(MOMENTS)]
@@ -251,7 +209,7 @@ class RowChunkSteps:
                 piece = rows_of(local_part(p), a, b)
                 grad = rows_of(local_part(p.grad), a, b)
                 piece.grad = widened(grad, self.grad_factors, out=scratch.get(
-                    "grad", offset, n) if grad.dtype in SIXTEEN_BIT else None)
+                    "grad", offset, n) if grad.dtype in SIXTEEN_BIT_GRADS else None)
                 if before is not None:  # else the first step: Adam makes zero moments
                     states[piece] = {"step": before, **{
                         m.key: m.read(a, b, scratch, offset) for m in entry}}

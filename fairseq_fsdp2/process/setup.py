@@ -23,7 +23,7 @@ from fairseq.distributed import utils as fairseq_distributed_utils
 from omegaconf import open_dict
 
 from ..errors import OptionError, RankLostError, first_line
-from ..optimizer import kernels
+from ..optimizer.moments import kernels
 from ..command_line import preflight
 from . import run_context, sigterm, slurm, torchrun
 from .run_context import RunContext

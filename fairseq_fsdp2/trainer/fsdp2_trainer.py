@@ -25,7 +25,7 @@ from ..process import heartbeat, run_context
 from ..memory.breakdown import record_update
 from ..memory.monitor import MemoryMonitor, describe_last
 from ..optimizer import mixed_precision
-from ..optimizer.blockwise_8bit import release_workspaces
+from ..optimizer.moments.blockwise_8bit import release_workspaces
 from ..optimizer.build import build_optimizer
 from ..models import lora
 from ..options import (FSDP2_BACKEND, lora_modules, lora_scaling, lora_train_patterns,

@@ -28,8 +28,10 @@ from probe_report import report_and_exit
 
 from fairseq_fsdp2.checkpoint import sharded
 from fairseq_fsdp2.optimizer import adam_stats, row_chunk_step
-from fairseq_fsdp2.optimizer.adam_stats import ABSMAX_KEYS, MOMENTS, SCALE_KEYS, SIGNED
-from fairseq_fsdp2.optimizer.blockwise_8bit import dequantize
+from fairseq_fsdp2.optimizer.moments.blockwise_8bit import dequantize
+from fairseq_fsdp2.optimizer.moments.eight_bit import ABSMAX_KEYS, SIGNED
+from fairseq_fsdp2.optimizer.moments.format import MOMENTS
+from fairseq_fsdp2.optimizer.moments.sixteen_bit import SCALE_KEYS
 from fairseq_fsdp2.optimizer.build import build_optimizer
 
 FORMATS = ("fp32", "fp16", "bf16", "8bit")

@@ -38,7 +38,7 @@ from fairseq_cli import generate, train, validate
 
 from fairseq_fsdp2.errors import FSDP2Error
 from fairseq_fsdp2.process import run_context
-from fairseq_fsdp2.optimizer import blockwise_8bit
+from fairseq_fsdp2.optimizer.moments import blockwise_8bit
 
 #: the collective timeout of the program's own process group (the run sets 30 s on it)
 CALLER_TIMEOUT = timedelta(seconds=1234)

@@ -1,4 +1,4 @@
-"""Block-wise 8-bit quantization of Adam's moments (``--eight-bit-adam-stats``, adam_stats.py).
+"""Block-wise 8-bit quantization of Adam's moments (``--eight-bit-adam-stats``, eight_bit.py).
 
 The format is bitsandbytes' and torchao's 8-bit optimizer state (Dettmers et al., "8-bit
 Optimizers via Block-wise Quantization", 2021): each block of BLOCK elements is divided by its
@@ -27,7 +27,7 @@ need:
   0.1% of itself per step, below half the map's relative gap (0.35% and more): rounded to
   nearest, its second moment never decreases (the bf16 case: stochastic_round.py). Rounded
   stochastically the stored value is exact on average. The random numbers come from the
-  caller's generator (adam_stats.py seeds it as for bf16: a resumed run draws the same).
+  caller's generator (the step seeds it as for bf16: a resumed run draws the same).
   And a positive second moment is never stored as 0 (it takes the smallest positive code,
   3.25e-7 of its block's absmax): Adam divides by sqrt(v) + eps, and an element of v rounded
   to 0 would step by m / eps.
@@ -72,7 +72,7 @@ from typing import Optional
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import chunks
+from ... import chunks
 from . import kernels
 from .stochastic_round import draws_kept, release_draws
 from .thread_buffers import ThreadBuffers
@@ -215,7 +215,7 @@ def _tables(signed: bool, device: torch.device) -> _Tables:
 
 def abs_max(x: torch.Tensor) -> torch.Tensor:
     """max |x| (a 0-d tensor; x not empty), as ``torch.norm(x, inf)`` but from one min-max
-    pass: on CPU the norm takes about 15x as long (fp16 moments' scale: adam_stats.py)."""
+    pass: on CPU the norm takes about 15x as long (fp16 moments' scale: sixteen_bit.py)."""
     least, most = torch.aminmax(x)
     return torch.maximum(most, least.neg()) + 0.0  # + 0.0: never -0.0
 

@@ -11,8 +11,8 @@ How: a float32's bit pattern read as an int32 has the bf16 value in its high 16 
 uniform random integer in [0, 2^16) to the pattern and clearing the low 16 bits rounds the
 magnitude up with probability (low bits) / 2^16, else down (a carry runs into the exponent as
 it should; the sign bit is untouched for finite values). The random integers come from a
-generator seeded by the caller (adam_stats.py: the run's seed, the step, the parameter, the
-shard), so a run and its resumed copy draw the same numbers, and nothing needs saving. They
+generator seeded by the caller (the step: the run's seed, the step, the parameter, the shard),
+so a run and its resumed copy draw the same numbers, and nothing needs saving. They
 are the four 16-bit quarters of 64-bit draws (``random_`` over int64's whole range), read as
 int16 and widened with their low 16 bits kept: uniform on [0, 2^16) as a 32-bit draw per
 element would be, at a quarter of the generator's work (a 16-bit ``randint`` costs a 32-bit
@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from .. import chunks
+from ... import chunks
 from .thread_buffers import ThreadBuffers
 
 #: Elements rounded per batch of random integers: the integers (int32, and their 64-bit draws)

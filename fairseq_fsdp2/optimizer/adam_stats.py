@@ -102,6 +102,8 @@ class SixteenBitMoments(RowChunkSteps):
     stats_seed: int = 0
     #: a state in a format other than the run's was loaded: widen it at the next step
     mixed_state_loaded: bool = False
+    #: the parameters are stored in bf16 (settings.keeps_bf16_weights): every step row-chunked
+    bf16_weights: bool = False
     _hold_hook = None  # the pre-hook of the load_state_dict call in progress
     _numels = None  # parameter -> elements of its local shard
 
@@ -121,12 +123,14 @@ class SixteenBitMoments(RowChunkSteps):
         """Whether this step runs a chunk of rows at a time (row_chunk_step.py), with
         ``narrow_grads`` (16-bit gradient shards) given: settings.row_chunked_step decides."""
         return settings.row_chunked_step(self.takes_16_bit_grads(), self.moments.name,
-                                         narrow_grads, self.mixed_state_loaded)
+                                         narrow_grads, self.mixed_state_loaded,
+                                         self.bf16_weights)
 
     def step(self, closure=None):
         narrow_grads = any(p.grad is not None and p.grad.dtype in SIXTEEN_BIT_GRADS
                            for group in self.param_groups for p in group["params"])
-        if self.moments is FP32 and not self.mixed_state_loaded and not narrow_grads:
+        if self.moments is FP32 and not self.mixed_state_loaded and not narrow_grads and \
+                not self.bf16_weights:
             return super().step(closure)
         loss = None
         if closure is not None:
@@ -268,15 +272,18 @@ FORMAT_OF = {fmt.dtype: name for name, fmt in moments.FORMATS.items()}
 
 
 def use_16_bit_moments(torch_optimizer: torch.optim.Optimizer, stats: str = "fp32",
-                       local_shards: bool = True, seed: int = 0) -> bool:
+                       local_shards: bool = True, seed: int = 0,
+                       bf16_weights: bool = False) -> bool:
     """Keep the moments of ``torch_optimizer`` (if it is fairseq's Adam) as ``stats`` asks
     (``fp32``, ``fp16``, ``bf16``, ``8bit``: moments.FORMATS); returns whether it is Adam.
     Every Adam gets the mixin, so that a 16-bit or 8-bit state loaded into a float32 run is
-    widened."""
+    widened. ``bf16_weights``: the parameters are stored in bf16 (settings.keeps_bf16_weights),
+    each update written back with stochastic rounding (row_chunk_step.py)."""
     if not mix_into(torch_optimizer, SixteenBitMoments, ELEMENTWISE):
         return False
     torch_optimizer.moments = moments.named(stats)
     torch_optimizer.local_shards = local_shards
     torch_optimizer.stats_seed = seed
+    torch_optimizer.bf16_weights = bf16_weights
     torch_optimizer.grad_factors = []
     return True

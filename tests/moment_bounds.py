@@ -27,11 +27,15 @@ LR = 1e-3
 
 
 def plugin_adam(params, stats: str = "fp32", lr: float = LR, betas=BETAS,
-                eps: float = EPS) -> torch.optim.Optimizer:
+                eps: float = EPS, bf16_weights: bool = False,
+                seed: int = 1) -> torch.optim.Optimizer:
     """The plugin's Adam (fairseq's, as build_optimizer makes it) over ``params`` with its
-    moments stored as ``stats``: fp32, fp16 (--fp16-adam-stats), bf16 or 8bit."""
+    moments stored as ``stats``: fp32, fp16 (--fp16-adam-stats), bf16 or 8bit;
+    ``bf16_weights``: --memory-efficient-bf16 (bf16 parameters, updates rounded
+    stochastically from ``seed``'s streams)."""
     cfg = OmegaConf.create({
-        "common": {"fp16": False, "seed": 1}, "optimization": {"update_freq": [1]},
+        "common": {"fp16": False, "seed": seed, "memory_efficient_bf16": bf16_weights},
+        "optimization": {"update_freq": [1]},
         "distributed_training": {"bf16_adam_stats": stats == "bf16",
                                  "eight_bit_adam_stats": stats == "8bit"},
         "optimizer": OmegaConf.structured(FairseqAdamConfig(

@@ -55,18 +55,23 @@ class Held:
 def _hold_16_bit(optimizer: torch.optim.Optimizer, state_dict: dict) -> Optional[dict]:
     """load_state_dict pre-hook: wrap the 16-bit (8-bit) moments laid out like their parameter
     (a stock checkpoint's full tensors for sharded parameters are not: full_state.py cuts
-    those, in float32)."""
+    those, in float32), and, for bf16 parameters (settings.keeps_bf16_weights), float32 moments
+    and every float32 side tensor: torch would round them to bf16."""
     if "state" not in state_dict or "param_groups" not in state_dict:
         return None
     saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
     params = dict(zip(saved_ids, chain.from_iterable(g["params"] for g in optimizer.param_groups)))
 
     def hold(param, key, value):
-        if key in MOMENTS and torch.is_tensor(value) and \
-                value.dtype in moments.NARROW_DTYPES and \
-                isinstance(value, DTensor) == isinstance(param, DTensor) and \
-                value.shape == param.shape:
-            return Held(value)
+        if not torch.is_tensor(value) or key == "step" or \
+                isinstance(value, DTensor) != isinstance(param, DTensor):
+            return value
+        if key in MOMENTS:
+            if value.shape == param.shape and (value.dtype in moments.NARROW_DTYPES or
+                                               value.dtype != param.dtype):
+                return Held(value)
+        elif value.is_floating_point() and value.dtype != param.dtype:
+            return Held(value)  # a side (8-bit block maxima, fp16 scales) of bf16 weights
         return value
     state_dict["state"] = {
         index: {k: hold(params[index], k, v) for k, v in per_param.items()}
@@ -256,10 +261,11 @@ class SixteenBitMoments(RowChunkSteps):
                 self._hold_hook = None
         mixed = False
         for per_param in self.state.values():
+            for key, value in list(per_param.items()):
+                if isinstance(value, Held):
+                    per_param[key] = value.tensor
             for key in MOMENTS:
                 value = per_param.get(key)
-                if isinstance(value, Held):
-                    per_param[key] = value = value.tensor
                 if torch.is_tensor(value) and (
                         moments.stored_format(per_param, key) is not FP32 or
                         any(k in per_param for k in moments.side_keys(key))):

@@ -41,15 +41,12 @@ from torch.distributed.tensor import DTensor
 from .. import chunks
 from ..sharding.mesh import local_part
 from . import moments
-from .local_shard_step import SIXTEEN_BIT_GRADS
+from .local_shard_step import SIXTEEN_BIT_GRADS, SIXTEEN_BIT_WEIGHTS
 from .moments.format import MOMENTS, MomentFormat, shard_dims
 from .moments.stochastic_round import generator_for, to_bf16_stochastic
 
 #: elements stepped at once (a chunk of a large parameter's rows, or several small parameters)
 STEP_CHUNK = chunks.STEP_ELEMENTS
-#: the parameter dtypes stored without a float32 master copy (settings.keeps_bf16_weights): the
-#: step widens a chunk of their rows and rounds the update back stochastically
-SIXTEEN_BIT_WEIGHTS = (torch.bfloat16,)
 #: a chunk's elements are a multiple of this: of 4 (bf16's rounding takes four elements' draws
 #: from each 64-bit draw), and of the widest CPU vector loop's unit (2 x 16 float32 lanes, twice)
 ALIGN = 64

@@ -13,45 +13,14 @@ at another world size and the consolidated export.
 """
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from conftest import REPO, other_rounding_draws, train_args_for
 from launcher import ok, run_command, run_ranks
-from moment_bounds import plugin_adam
+from moment_bounds import assert_bf16_weight_update_law
 from numerics import NOISE_FACTOR, NOISE_REACH, assert_within_noise, per_update, spread
 from scenarios import shard_tensors
-
-#: the rows of the law's parameter: R stores of every input (each row the same inputs, its own
-#: draws: the stream's consecutive 16-bit draws are independent and uniform)
-R = 4096
-#: the false-failure probability the bands are drawn for
-DELTA = 1e-9
-
-
-def neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The bf16 values next to each float32 x: below (or equal) and above (x's bit pattern with
-    its low 16 bits cleared, and that plus one bf16 unit, toward larger magnitudes)."""
-    bits = x.view(torch.int32)
-    low = (bits & -(1 << 16)).view(torch.float32)
-    high = (bits.to(torch.int64) + (1 << 16)).to(torch.int32) & -(1 << 16)
-    return low, high.view(torch.float32)
-
-
-def law_inputs() -> tuple[torch.Tensor, torch.Tensor]:
-    """(bf16 weights, bf16 gradients) of M elements: weights over eight binades (1/64 to 2),
-    both signs, gradients of both signs: Adam's first step moves each by about lr (its update
-    is lr m / (sqrt(v) + eps), m and sqrt(v) both |g| times their bias corrections), from far
-    below a bf16 unit of the weight (2^-14 to 2^-7 of it at lr 1e-4) to near it."""
-    g = torch.Generator().manual_seed(0)
-    m = 512
-    magnitude = 2.0 ** (torch.rand(m, generator=g) * 7 - 6)
-    sign = torch.where(torch.rand(m, generator=g) < 0.5, -1.0, 1.0)
-    grad = torch.randn(m, generator=g)
-    return (sign * magnitude).bfloat16(), grad.bfloat16()
-
 
 @pytest.mark.parametrize("stats", ["fp32", "bf16", "8bit"])
 def test_weight_update_rounds_stochastically_unbiased_within_its_gap(stats):
@@ -67,35 +36,8 @@ def test_weight_update_rounds_stochastically_unbiased_within_its_gap(stats):
     (outside the band for any p away from 0 and 1), a dropped write-back leaves the old weight
     (K always 0 or always R, likewise). With every moment format (the first step's update reads
     no stored moment: the same x; the moments are narrowed beside the weights, 8 bits a block
-    at a time over the same rows)."""
-    weights, grads = law_inputs()
-    m = weights.numel()
-    ours = weights.repeat(R, 1).requires_grad_()
-    ours.grad = grads.repeat(R, 1)
-    master = weights.float().repeat(R, 1).requires_grad_()
-    master.grad = grads.float().repeat(R, 1)
-    plugin_adam([ours], stats, lr=1e-4, bf16_weights=True).step()
-    plugin_adam([master], lr=1e-4).step()
-    ours, master = ours.detach(), master.detach()
-    x = master[0]
-    assert torch.equal(master, x.expand_as(master))  # every row stepped alike
-    assert (x != weights.float()).all()  # every weight moved (in float32)
-    low, high = neighbours(x)
-    stored = ours.float()
-    exact = low == x
-    is_upper = stored == high
-    assert ((stored == low) | is_upper).all(), "a weight stored off its two neighbours"
-    assert (stored[:, exact] == x[exact]).all()
-    p = torch.where(exact, 0.0, (x.double() - low.double()) / (high.double() - low.double()))
-    count = is_upper.sum(0).double()
-    log = math.log(2 * m / DELTA)
-    band = log / 3 + torch.sqrt(log ** 2 / 9 + 2 * R * p * (1 - p) * log)
-    off = (count - R * p).abs()
-    worst = (off - band).max().item()
-    moved = (stored != weights.float()).double().mean().item()
-    print(f"{m} inputs, {R} stores each: largest |K - R p| {off.max():.0f}, closest to its "
-          f"band by {-worst:.1f}; {moved:.1%} of the stored weights moved")
-    assert worst <= 0, (x[(off - band).argmax()], p[(off - band).argmax()])
+    at a time over the same rows). tests/test_cuda_step.py runs it on a GPU."""
+    assert_bf16_weight_update_law(torch.device("cpu"), stats)  # moment_bounds.py
 
 
 # -- fairseq-train ------------------------------------------------------------------------------
@@ -122,8 +64,8 @@ def fine_tuned(corpus, tmp_path_factory):
     """The trained model (PRETRAIN, two ranks), then fine-tuned from it on two ranks
     (--finetune-from-model), each variant once: name -> (rank 0's output, save dir).
     ``master``: --bf16 (float32 master weights, bf16 compute); ``ours``: --memory-efficient-bf16
-    (bf16 weights, stochastic rounding), saved at updates RESUMED_AT and UPDATES; ``twin``: ours with other
-    rounding draws (tests/probes/other_rounding_draws.py moves the seed of every stream, the
+    (bf16 weights, stochastic rounding), saved at updates RESUMED_AT and UPDATES; ``twin``: ours
+    with other rounding draws (tests/probes/other_rounding_draws.py moves the seed of every stream, the
     weights' too); ``nearest``: ours rounded to nearest."""
     pretrained = tmp_path_factory.mktemp("pretrained")
     ok(run_ranks(2, lambda r: train_args_for(corpus, pretrained, *FSDP2, *PRETRAIN,

@@ -1,7 +1,7 @@
 """fairseq's precision flags, mapped onto FSDP2.
 
-Master weights are the sharded fp32 parameters in every mode but one (below); ``--fp16``/``--bf16`` set the
-compute dtype through ``MixedPrecisionPolicy``; gradients are reduced in fp32, or with
+Master weights are the sharded fp32 parameters in every mode but one (below); ``--fp16``/
+``--bf16`` set the compute dtype through ``MixedPrecisionPolicy``; gradients are reduced in fp32, or with
 ``--fsdp2-reduce-dtype fp16/bf16`` in the compute dtype (FSDP2 then reduce-scatters the 16-bit
 gradients as they are, pre- and post-dividing by about sqrt(world size) in fp16: see
 docs/compatibility.md).

@@ -23,8 +23,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 def compute_dtype(common_cfg) -> Optional[torch.dtype]:
     if common_cfg.fp16:
         return torch.float16
-    if common_cfg.bf16:
-        return torch.bfloat16
+    if common_cfg.bf16 or getattr(common_cfg, "memory_efficient_bf16", False):
+        return torch.bfloat16  # fairseq's parser sets --bf16 with it; a hydra config may not
     return None
 
 

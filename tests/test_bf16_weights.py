@@ -123,7 +123,8 @@ def test_bf16_weights_fine_tune_as_float32_masters_within_their_rounding_noise(f
 
 
 def test_bf16_weights_are_saved_in_bf16_and_resume_exactly(fine_tuned, corpus, tmp_path):
-    """The checkpoint of update 30 holds every parameter in bf16 (DCP metadata); resumed from
+    """The checkpoint of update 30 holds every parameter in bf16 and Adam's moments in float32
+    (DCP metadata); resumed from
     it on the same two ranks, updates 31-40 equal the uninterrupted run's and so does every
     tensor of the last checkpoint, bit for bit (weights and moments: the weights' rounding drew
     from the uninterrupted run's streams: the seed, the step, the parameter's and the shard's
@@ -137,6 +138,9 @@ def test_bf16_weights_are_saved_in_bf16_and_resume_exactly(fine_tuned, corpus, t
     saved = dcp.FileSystemReader(str(save_dir / shards)).read_metadata().state_dict_metadata
     weights = {k: v.properties.dtype for k, v in saved.items() if k.startswith("model.")}
     assert weights and set(weights.values()) == {torch.bfloat16}, weights
+    moments = {v.properties.dtype for k, v in saved.items()
+               if k.startswith("optim.state.") and k.endswith((".exp_avg", ".exp_avg_sq"))}
+    assert moments == {torch.float32}  # the run's format (fp32), not the weights' dtype
     resumed_dir = tmp_path / "resumed"
     resumed = per_update(ok(run_ranks(2, lambda r: train_args_for(
         corpus, resumed_dir, *FSDP2, "--memory-efficient-bf16", *FINE_TUNE_LR, "--restore-file",

@@ -22,6 +22,7 @@ from moment_bounds import assert_bf16_weight_update_law
 from numerics import NOISE_FACTOR, NOISE_REACH, assert_within_noise, per_update, spread
 from scenarios import shard_tensors
 
+
 @pytest.mark.parametrize("stats", ["fp32", "bf16", "8bit"])
 def test_weight_update_rounds_stochastically_unbiased_within_its_gap(stats):
     """R rows of the same M weights and gradients stepped once by the plugin's Adam with bf16
@@ -65,8 +66,8 @@ def fine_tuned(corpus, tmp_path_factory):
     (--finetune-from-model), each variant once: name -> (rank 0's output, save dir).
     ``master``: --bf16 (float32 master weights, bf16 compute); ``ours``: --memory-efficient-bf16
     (bf16 weights, stochastic rounding), saved at updates RESUMED_AT and UPDATES; ``twin``: ours
-    with other rounding draws (tests/probes/other_rounding_draws.py moves the seed of every stream, the
-    weights' too); ``nearest``: ours rounded to nearest."""
+    with other rounding draws (tests/probes/other_rounding_draws.py moves the seed of every
+    stream, the weights' too); ``nearest``: ours rounded to nearest."""
     pretrained = tmp_path_factory.mktemp("pretrained")
     ok(run_ranks(2, lambda r: train_args_for(corpus, pretrained, *FSDP2, *PRETRAIN,
                                              updates=PRETRAIN_UPDATES, save=True), timeout=600))

@@ -38,6 +38,8 @@ BEGIN, END = "<!-- adam-stats-600m: begin -->", "<!-- adam-stats-600m: end -->"
 EIGHT_BIT_FLAG = "--eight-bit-adam-stats"
 #: each setting's flags on top of the common command line
 NARROW_FLAGS = [EIGHT_BIT_FLAG, "--fsdp2-reduce-dtype", "bf16"]
+#: bf16 weights with no fp32 master copy (settings.keeps_bf16_weights)
+BF16_WEIGHTS_FLAG = "--memory-efficient-bf16"
 #: each setting (by the name --settings takes): its row's label and its flags on top of the
 #: common command line
 SETTINGS = {"fp32": ("fp32 moments", []),
@@ -45,7 +47,10 @@ SETTINGS = {"fp32": ("fp32 moments", []),
             "8bit": (EIGHT_BIT_FLAG, [EIGHT_BIT_FLAG]),
             # the optimizer step's memory settings: 8-bit moments and the bf16 gradient shards
             # kept for the step (sharding/sixteen_bit_grads.py)
-            "8bit-bf16-grads": (" ".join(NARROW_FLAGS), NARROW_FLAGS)}
+            "8bit-bf16-grads": (" ".join(NARROW_FLAGS), NARROW_FLAGS),
+            # and bf16 weights with no fp32 master (--memory-efficient-bf16: stochastic rounding)
+            "bf16-weights": (" ".join([BF16_WEIGHTS_FLAG, *NARROW_FLAGS]),
+                             [BF16_WEIGHTS_FLAG, *NARROW_FLAGS])}
 COMMON = ["--bf16", "--log-interval", "1000"]
 #: imported by each rank first: prints an UPDATE line per update (its PREFIX; not imported
 #: here, as importing it patches fairseq's Trainer)

@@ -60,10 +60,22 @@ def keeps_16_bit_grads(reduce_dtype: str, step_takes_them: bool,
 
 
 def row_chunked_step(step_takes_16_bit: bool, moments: str, narrow_grads: bool,
-                     mixed_state: bool = False) -> bool:
+                     mixed_state: bool = False, bf16_weights: bool = False) -> bool:
     """Whether Adam steps a chunk of rows at a time: a step that takes 16-bit gradients
     (``step_takes_16_bit_grads``) with bf16 or 8-bit ``moments``, with 16-bit gradient shards
-    (``narrow_grads``), or with a ``mixed_state`` (one loaded in another format) to widen.
-    Otherwise float32 moments step as fairseq's Adam does, and fp16 ones (or amsgrad's) a bucket
-    of parameters at a time."""
-    return step_takes_16_bit and (moments != "fp32" or narrow_grads or mixed_state)
+    (``narrow_grads``), with a ``mixed_state`` (one loaded in another format) to widen, or with
+    ``bf16_weights`` (``keeps_bf16_weights``: the weights widened and rounded back a chunk at a
+    time). Otherwise float32 moments step as fairseq's Adam does, and fp16 ones (or amsgrad's) a
+    bucket of parameters at a time."""
+    return step_takes_16_bit and (moments != "fp32" or narrow_grads or mixed_state or
+                                  bf16_weights)
+
+
+def keeps_bf16_weights(memory_efficient_bf16: bool, step_takes_16_bit: bool) -> bool:
+    """Whether the sharded parameters are kept in bf16 with no float32 master copy:
+    ``--memory-efficient-bf16`` (fairseq's flag, which implies --bf16), for a step that can take
+    them (``step_takes_16_bit_grads``: fairseq's Adam on local shards, its row-chunked step
+    widening each chunk of weights to float32 and writing the update back with stochastic
+    rounding). Another optimizer (or amsgrad, or fp16 moments) keeps float32 master weights, as
+    --bf16 does (the trainer says so)."""
+    return memory_efficient_bf16 and step_takes_16_bit

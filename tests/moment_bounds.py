@@ -27,11 +27,15 @@ LR = 1e-3
 
 
 def plugin_adam(params, stats: str = "fp32", lr: float = LR, betas=BETAS,
-                eps: float = EPS) -> torch.optim.Optimizer:
+                eps: float = EPS, bf16_weights: bool = False,
+                seed: int = 1) -> torch.optim.Optimizer:
     """The plugin's Adam (fairseq's, as build_optimizer makes it) over ``params`` with its
-    moments stored as ``stats``: fp32, fp16 (--fp16-adam-stats), bf16 or 8bit."""
+    moments stored as ``stats``: fp32, fp16 (--fp16-adam-stats), bf16 or 8bit;
+    ``bf16_weights``: --memory-efficient-bf16 (bf16 parameters, updates rounded
+    stochastically from ``seed``'s streams)."""
     cfg = OmegaConf.create({
-        "common": {"fp16": False, "seed": 1}, "optimization": {"update_freq": [1]},
+        "common": {"fp16": False, "seed": seed, "memory_efficient_bf16": bf16_weights},
+        "optimization": {"update_freq": [1]},
         "distributed_training": {"bf16_adam_stats": stats == "bf16",
                                  "eight_bit_adam_stats": stats == "8bit"},
         "optimizer": OmegaConf.structured(FairseqAdamConfig(
@@ -258,3 +262,71 @@ def assert_8_bit_second_moment_decays(device: torch.device) -> None:
     assert abs(v[decaying].mean().item() - want) <= eps
     # the rounding-to-nearest control is far off: the test tells the two apart
     assert nearest[decaying].mean().item() - want > 20 * eps
+
+
+# -- bf16 weights (--memory-efficient-bf16): the law of the weight update (derived in
+# tests/test_bf16_weights.py)
+
+#: the rows of the weight law's parameter: R stores of every input (each row the same inputs,
+#: its own draws: the stream's consecutive 16-bit draws are independent and uniform)
+LAW_ROWS = 4096
+#: the false-failure probability the bands are drawn for
+LAW_DELTA = 1e-9
+
+
+def neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bf16 values next to each float32 x: below (or equal) and above (x's bit pattern with
+    its low 16 bits cleared, and that plus one bf16 unit, toward larger magnitudes)."""
+    bits = x.view(torch.int32)
+    low = (bits & -(1 << 16)).view(torch.float32)
+    high = (bits.to(torch.int64) + (1 << 16)).to(torch.int32) & -(1 << 16)
+    return low, high.view(torch.float32)
+
+
+def law_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """(bf16 weights, bf16 gradients) of M elements: weights over eight binades (1/64 to 2),
+    both signs, gradients of both signs: Adam's first step moves each by about lr (its update
+    is lr m / (sqrt(v) + eps), m and sqrt(v) both |g| times their bias corrections), from far
+    below a bf16 unit of the weight (2^-14 to 2^-7 of it at lr 1e-4) to near it."""
+    g = torch.Generator().manual_seed(0)
+    m = 512
+    magnitude = 2.0 ** (torch.rand(m, generator=g) * 7 - 6)
+    sign = torch.where(torch.rand(m, generator=g) < 0.5, -1.0, 1.0)
+    grad = torch.randn(m, generator=g)
+    return (sign * magnitude).bfloat16(), grad.bfloat16()
+
+
+def assert_bf16_weight_update_law(device: torch.device, stats: str) -> None:
+    """tests/test_bf16_weights.py's law of the bf16 weight update, on ``device``."""
+    R, DELTA = LAW_ROWS, LAW_DELTA
+    weights, grads = law_inputs()
+    m = weights.numel()
+    weights, grads = weights.to(device), grads.to(device)
+    ours = weights.repeat(R, 1).requires_grad_()
+    ours.grad = grads.repeat(R, 1)
+    master = weights.float().repeat(R, 1).requires_grad_()
+    master.grad = grads.float().repeat(R, 1)
+    plugin_adam([ours], stats, lr=1e-4, bf16_weights=True).step()
+    plugin_adam([master], lr=1e-4).step()
+    ours, master = ours.detach(), master.detach()
+    x = master[0]
+    assert torch.equal(master, x.expand_as(master))  # every row stepped alike
+    assert (x != weights.float()).all()  # every weight moved (in float32)
+    low, high = neighbours(x)
+    stored = ours.float()
+    exact = low == x
+    is_upper = stored == high
+    assert ((stored == low) | is_upper).all(), "a weight stored off its two neighbours"
+    assert (stored[:, exact] == x[exact]).all()
+    p = torch.where(exact, 0.0, (x.double() - low.double()) / (high.double() - low.double()))
+    count = is_upper.sum(0).double()
+    log = math.log(2 * m / DELTA)
+    band = log / 3 + torch.sqrt(log ** 2 / 9 + 2 * R * p * (1 - p) * log)
+    off = (count - R * p).abs()
+    worst = (off - band).max().item()
+    moved = (stored != weights.float()).double().mean().item()
+    print(f"{m} inputs, {R} stores each: largest |K - R p| {off.max():.0f}, closest to its "
+          f"band by {-worst:.1f}; {moved:.1%} of the stored weights moved")
+    assert worst <= 0, (x[(off - band).argmax()], p[(off - band).argmax()])
+
+

@@ -241,18 +241,21 @@ def spread(a: dict, b: dict, updates, index: int, key: str) -> float:
                / abs(float(b[n][index])) for n in updates)
 
 
-def assert_within_noise(got: str, want: str, twin: str, updates, keys=("loss", "gnorm")) -> None:
+def assert_within_noise(got: str, want: str, twin: str, updates, keys=("loss", "gnorm"),
+                        noisy: str | None = None) -> None:
     """Run ``got`` against ``want`` (the reference) at each of ``updates``: each printed value
     within NOISE_FACTOR x the spread between ``got`` and ``twin`` (the same run with other
     rounding draws) around that update (within NOISE_REACH of it, among ``updates``), plus the
-    printed rounding (the comment above)."""
+    printed rounding (the comment above). ``noisy``: the run whose spread with ``twin`` is the
+    noise, when ``got`` is a control held to another run's noise (default: ``got``)."""
     a, b, c = (per_update(out, keys) for out in (got, want, twin))
+    noise_run = a if noisy is None else per_update(noisy, keys)
     updates = list(updates)
     for index, key in enumerate(keys):
         ratios = []
         for n in updates:
             near = [m for m in updates if abs(m - n) <= NOISE_REACH]
-            noise = spread(a, c, near, index, key)
+            noise = spread(noise_run, c, near, index, key)
             assert printed_close(a[n][index], b[n][index], NOISE_FACTOR * noise, key), \
                 f"update {n} {key}: {a[n]} vs {b[n]}, beyond {NOISE_FACTOR} x the " \
                 f"spread {noise:.2e} of other rounding draws around it ({c[n]})"

@@ -36,7 +36,8 @@ from omegaconf import OmegaConf
 
 from conftest import PLUGIN
 from moment_bounds import (assert_8_bit_second_moment_decays, assert_8_bit_steps_within_bound,
-                           assert_16_bit_moments_within_bound, assert_bf16_second_moment_decays)
+                           assert_16_bit_moments_within_bound, assert_bf16_second_moment_decays,
+                           assert_bf16_weight_update_law)
 from numerics import BF16_MOMENT, FP16_MOMENT
 from test_cuda import GIB, NLLB_VOCAB, record_row
 
@@ -161,3 +162,12 @@ def test_8_bit_and_bf16_second_moments_on_cuda_decay_as_in_float32():
     the CPU tests' decay, on the GPU."""
     assert_8_bit_second_moment_decays(torch.device("cuda", 0))
     assert_bf16_second_moment_decays(torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("stats", ["fp32", "8bit"])
+def test_bf16_weight_update_on_cuda_rounds_stochastically_unbiased_within_its_gap(stats):
+    """--memory-efficient-bf16's write-back on the GPU (its rounding drawn per kernel launch):
+    tests/test_bf16_weights.py's law (the float32 master step's two bf16 neighbours, the upper
+    with its exact probability within Bernstein's band); the argument holds for any generator
+    whose 16-bit draws are uniform and independent of the values."""
+    assert_bf16_weight_update_law(torch.device("cuda", 0), stats)

@@ -181,14 +181,20 @@ EIGHT_BIT = ["--eight-bit-adam-stats", "--encoder-embed-dim", "72", "--decoder-e
              "--encoder-ffn-embed-dim", "144", "--decoder-ffn-embed-dim", "144"]
 
 
+#: bf16 weights (--memory-efficient-bf16: no fp32 master), float32 moments
+BF16_WEIGHTS = ["--memory-efficient-bf16"]
+
+
 @pytest.mark.parametrize("stats", [[], ["--fp16", "--fp16-adam-stats", "--store-ema"],
-                                   EIGHT_BIT], ids=["fp32", "fp16-moments-and-ema", "8bit"])
+                                   EIGHT_BIT, BF16_WEIGHTS],
+                         ids=["fp32", "fp16-moments-and-ema", "8bit", "bf16-weights"])
 def test_sharded_and_optimizer_bytes_equal_a_real_two_rank_checkpoint(corpus, tmp_path, stats):
     """The estimator against reality, term by term: the bytes of parameter shards, of Adam's
     state and of the EMA it predicts for each rank equal the bytes each rank of a real 2-rank
     FSDP2 run holds (counted from the tensors it saved after one update): Adam's moments in
-    float32, in fp16 beside an fp16 EMA (--fp16 --store-ema), and in 8 bits (a byte per
-    element and a float32 maximum per block of the weights; float32 for biases and norms). The
+    float32, in fp16 beside an fp16 EMA (--fp16 --store-ema), in 8 bits (a byte per element
+    and a float32 maximum per block of the weights; float32 for biases and norms), and in
+    float32 beside bf16 weights (--memory-efficient-bf16: 2 bytes a parameter element). The
     tiny model has odd-sized dims: dim-0 shards are uneven and the ranks fall into classes."""
     from conftest import TINY_MODEL, TRAINING
     save = tmp_path / "ckpt"
@@ -210,16 +216,17 @@ def test_sharded_and_optimizer_bytes_equal_a_real_two_rank_checkpoint(corpus, tm
             assert got["optim"] == cls.breakdown["optim"], (rank, got, cls.breakdown)
             # two moments per parameter element, 4 or 2 bytes each; 8 bits: 1 byte and
             # 4 per block for the weights, 4 for the rest: between a quarter and all of fp32's
+            elements = cls.breakdown["sharded"] // (2 if stats is BF16_WEIGHTS else 4)
             if stats is EIGHT_BIT:
-                assert cls.breakdown["sharded"] // 4 < got["optim"] < cls.breakdown["sharded"]
+                assert elements < got["optim"] < 4 * elements
             else:
-                assert got["optim"] == cls.breakdown["sharded"] * (1 if stats else 2)
+                assert got["optim"] == elements * (4 if "--fp16-adam-stats" in stats else 8)
             # the checkpoint also holds the model's small buffers (fairseq's version
             # counters), on rank 0 only or split: at most their total
             assert 0 <= got["model"] - cls.breakdown["sharded"] <= buffers, \
                 (rank, got, cls.breakdown, buffers)
             # the EMA: the float32 shards' elements in fp16 (and the buffers, as above)
-            predicted_ema = cls.breakdown["sharded"] // 2 if "--store-ema" in stats else 0
+            predicted_ema = elements * 2 if "--store-ema" in stats else 0
             assert cls.breakdown["ema"] == predicted_ema, (rank, cls.breakdown)
             assert 0 <= got["ema"] - predicted_ema <= buffers, (rank, got, cls.breakdown)
 

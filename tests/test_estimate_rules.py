@@ -435,3 +435,47 @@ def test_plot_memory_writes_a_png(tmp_path, capsys):
     assert plot_memory.main([str(bad), str(tmp_path / "bad.png")]) == 2
     assert "not a memory.jsonl record" in capsys.readouterr().err
     assert not (tmp_path / "bad.png").exists()
+
+
+def test_bf16_weights_halve_the_sharded_parameters():
+    """--memory-efficient-bf16 with Adam (settings.keeps_bf16_weights): the trained shards in
+    bf16, 2 bytes per element where --bf16's fp32 masters take 4, and nothing else kept
+    changes where --bf16's gradient shards are bf16 too (--fsdp2-reduce-dtype bf16: both keep
+    the reduce-scatter's bf16 output). NLLB-3.3B with the recipe's settings on one GPU, 8-bit
+    moments: the peak (the tied embedding's reduce-scatter) is lower by 2 bytes per parameter
+    element exactly; at the step the chunk's weight rows are widened too (4 bytes an element
+    of a chunk: row_chunk_step.py) and rounded back stochastically (bf16's random integers:
+    within the 8-bit quantization's temporaries). With fp32 gradient reduction the bf16
+    weights' gradient shards are bf16 (FSDP2 keeps a gradient in its parameter's dtype), the
+    fp32 output cast at the reduce-scatter. Not with another optimizer, fp16 moments or
+    another backend (fp32 masters, as --bf16)."""
+    from fairseq_fsdp2.optimizer.moments.blockwise_8bit import CHUNK, TEMPORARY_BYTES
+    from fairseq_fsdp2.optimizer.row_chunk_step import STEP_CHUNK
+    base = nllb_args("transformer_nllb_3_3b", "--criterion", "label_smoothed_cross_entropy_chunked",
+                     "--loss-chunk-tokens", "256", "--fsdp2-root-reshard", "always",
+                     "--checkpoint-activations", "--eight-bit-adam-stats", "--max-tokens", "2048")
+    profile = from_args.profile_for(from_args.parse(base + ["--bf16"]))
+    setups = {name: from_args.setup_for(from_args.parse(base + flags), 1) for name, flags in (
+        ("masters", ["--bf16", "--fsdp2-reduce-dtype", "bf16"]),
+        ("ours", ["--memory-efficient-bf16", "--fsdp2-reduce-dtype", "bf16"]),
+        ("ours, fp32 reduce", ["--memory-efficient-bf16"]))}
+    assert [s.bf16_weights for s in setups.values()] == [False, True, True]
+    masters, ours, fp32_reduce = (estimate(profile, s).classes[0] for s in setups.values())
+    elements = masters.breakdown["sharded"] // 4
+    assert ours.breakdown["sharded"] == 2 * elements
+    assert ours.moment == masters.moment
+    assert {**ours.breakdown, "sharded": 0} == {**masters.breakdown, "sharded": 0}
+    assert masters.peak - ours.peak == 2 * elements
+    # fp32 reduction: the same bf16 gradient shards; the reduce-scatter's input and output in
+    # fp32, the output cast to bf16 beside it
+    assert fp32_reduce.peak > ours.peak
+    led = simulate_fsdp2(profile, setups["ours"])
+    state = ours.breakdown["optim"]
+    widened = 4 + 4 + 8  # the chunk's gradient, its weight rows, its 8-bit moments
+    assert led.max["optim"] == state + widened * STEP_CHUNK + max(
+        4 * STEP_CHUNK, TEMPORARY_BYTES * CHUNK)
+    for flags in (["--optimizer", "adafactor"], ["--fp16-adam-stats"],
+                  ["--ddp-backend", "legacy_ddp"]):
+        args = from_args.parse([a for a in base if a != "--eight-bit-adam-stats"] +
+                               ["--memory-efficient-bf16", *flags])
+        assert not from_args.setup_for(args, 1).bf16_weights, flags

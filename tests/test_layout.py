@@ -414,8 +414,9 @@ MOMENTS_FOLDER = f"{PACKAGE}.optimizer.moments"
 #: the dtypes a moment format stores (as torch names them)
 MOMENT_DTYPES = {"torch.uint8", "torch.float16", "torch.half", "torch.bfloat16"}
 #: the parts that name those dtypes for what is not a moment: the compute and reduce dtypes of
-#: the precision flags, the 16-bit gradient shards (SIXTEEN_BIT_GRADS), the estimator's
-#: parameters and activations by precision
+#: the precision flags, the 16-bit gradient shards and weights (local_shard_step's
+#: SIXTEEN_BIT_GRADS, SIXTEEN_BIT_WEIGHTS), the estimator's parameters and activations by
+#: precision
 DTYPES_FOR_OTHER_THINGS = {f"{PACKAGE}.optimizer.mixed_precision",
                            f"{PACKAGE}.optimizer.local_shard_step",
                            f"{PACKAGE}.estimator.model_profile"}

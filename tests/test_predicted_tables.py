@@ -181,8 +181,9 @@ def prose_claims() -> list[str]:
         f"in fp16 unsharded ({fp16_grad:.2f} GiB), as FSDP2's copy of it into the reduce-scatter's "
         f"input ({gib(no_early.breakdown['comm']):.2f}) and as this rank's reduced half, and the "
         f"peak is {no_early.peak_gb:.2f} GiB",
-        f"| {gib(b['sharded']):.2f} ({gib(b['sharded']) / 2:.2f} parameters, "
-        f"{gib(b['sharded']) / 2:.2f} gradients) | {stats16.peak_gb - gib(b['sharded']):.2f};",
+        # bf16 weights: half the fp32 shards and half their fp32 gradients (as many bytes)
+        f"about {gib(b['sharded']):.2f} GiB at that peak on 2 GPUs ({gib(b['sharded']) / 2:.2f} "
+        f"parameters, {gib(b['sharded']) / 2:.2f} gradients)",
     ]
 
 

@@ -1,6 +1,6 @@
 """One decision, one place (fairseq_fsdp2/settings.py): Adam's moment format, whether the
-gradient shards stay in the 16-bit reduce dtype and whether Adam steps a chunk of rows at a
-time are decided by the same
+gradient shards stay in the 16-bit reduce dtype, whether Adam steps a chunk of rows at a
+time and whether the weights are kept in bf16 (--memory-efficient-bf16) are decided by the same
 functions for the run (the trainer and the optimizer) and for the estimator, over every
 combination of the options they depend on; and estimator/ states neither rule itself.
 
@@ -23,13 +23,14 @@ from fairseq_fsdp2 import settings
 from fairseq_fsdp2.estimator import from_args
 from fairseq_fsdp2.estimator.ledger import row_chunked
 from fairseq_fsdp2.optimizer.adam_stats import FORMAT_OF
-from fairseq_fsdp2.optimizer.build import build_optimizer
+from fairseq_fsdp2.optimizer.build import build_optimizer, keeps_bf16_weights
 from fairseq_fsdp2.trainer.fsdp2_trainer import FSDP2Trainer
 
 ESTIMATOR = Path(from_args.__file__).parent
 #: the compute precision and the reduce dtypes training accepts with it (options.py)
 PRECISIONS = {"fp32": ([], ["fp32"]), "bf16": (["--bf16"], ["fp32", "bf16"]),
-              "fp16": (["--fp16"], ["fp32", "fp16"])}
+              "fp16": (["--fp16"], ["fp32", "fp16"]),
+              "bf16 weights": (["--memory-efficient-bf16"], ["fp32", "bf16"])}
 MOMENTS = {"fp32": [], "fp16": ["--fp16-adam-stats"], "bf16": ["--bf16-adam-stats"],
            "8bit": ["--eight-bit-adam-stats"]}
 #: the config groups fairseq-train's cfg takes the command line's values into
@@ -46,6 +47,10 @@ def command_lines():
                     reduces, MOMENTS, ("1", "2"), (False, True), (False, True), (False, True)):
                 if optimizer != "adam" and (moments != "fp32" or amsgrad):
                     continue  # Adam's options only
+                if precision == "bf16 weights" and amsgrad:
+                    # amsgrad has no flag: the config the trainer decides bf16 weights from
+                    # (before any optimizer exists) never holds it
+                    continue
                 argv = ["unused-data", "--task", "translation", "--vocab-size", "64",
                         "--arch", "transformer", "--max-tokens", "64", "--ddp-backend", "fsdp2",
                         "--optimizer", optimizer, "--lr", "1e-4", *flags,
@@ -86,24 +91,23 @@ def runtime_config(args, cfgs: dict):
 
 def runtime_decisions(cfg, amsgrad: bool):
     """What the run decides: the trainer whether its gradient shards stay 16-bit (as
-    _build_optimizer asks it), the optimizer whether its step is row-chunked given them."""
-    wrapped = build_optimizer(cfg, [torch.nn.Parameter(torch.zeros(2, 2))])
-    inner = wrapped.optimizer  # the torch optimizer (under fairseq's fp16 wrapper too)
-    for group in inner.param_groups:
-        group["amsgrad"] = amsgrad
-
-    moments = FORMAT_OF[inner.moment_dtype] if hasattr(inner, "moment_dtype") else "fp32"
-
+    _build_optimizer asks it) and whether its weights are bf16 (as _shard asks it), the
+    optimizer (built anew: it is told the latter) whether its step is row-chunked given them."""
     def decide():
+        wrapped = build_optimizer(cfg, [torch.nn.Parameter(torch.zeros(2, 2))])
+        inner = wrapped.optimizer  # the torch optimizer (under fairseq's fp16 wrapper too)
+        for group in inner.param_groups:
+            group["amsgrad"] = amsgrad
+        moments = FORMAT_OF[inner.moment_dtype] if hasattr(inner, "moment_dtype") else "fp32"
         keeps = FSDP2Trainer._keeps_16_bit_grads(SimpleNamespace(cfg=cfg, _optimizer=wrapped))
         steps = getattr(inner, "steps_in_row_chunks", None)  # Adam's step only
-        return moments, keeps, steps is not None and steps(keeps)
+        return moments, keeps, steps is not None and steps(keeps), keeps_bf16_weights(cfg)
     return decide
 
 
 def estimator_decisions(args):
     setup = from_args.setup_for(args, 2)
-    return setup.adam_stats, setup.narrow_grads, row_chunked(setup)
+    return setup.adam_stats, setup.narrow_grads, row_chunked(setup), setup.bf16_weights
 
 
 def negated(function):
@@ -118,7 +122,8 @@ def test_the_run_and_the_estimator_decide_with_the_same_functions(monkeypatch):
     rule (a copy, even one that agrees today, keeps its own answer and is caught)."""
     cfgs: dict = {}
     real = {name: getattr(settings, name) for name in
-            ("step_takes_16_bit_grads", "keeps_16_bit_grads", "row_chunked_step")}
+            ("step_takes_16_bit_grads", "keeps_16_bit_grads", "row_chunked_step",
+             "keeps_bf16_weights")}
     seen = set()
     for label, argv, amsgrad in command_lines():
         args = parsed(argv, amsgrad)
@@ -136,10 +141,14 @@ def test_the_run_and_the_estimator_decide_with_the_same_functions(monkeypatch):
             if name == "keeps_16_bit_grads":
                 assert runtime[1] != truth[1], label
             if name == "row_chunked_step":
-                assert runtime == (*truth[:2], not truth[2]), label
+                assert runtime == (*truth[:2], not truth[2], truth[3]), label
+            if name == "keeps_bf16_weights":
+                assert runtime[3] != truth[3], label
     # every outcome occurs: neither, the row-chunked step alone, both (16-bit gradients are
-    # only kept for a step that takes them)
-    assert seen == {(False, False), (False, True), (True, True)}
+    # only kept for a step that takes them); bf16 weights with a row-chunked step, with and
+    # without 16-bit gradient shards kept
+    assert seen == {(False, False, False), (False, True, False), (True, True, False),
+                    (False, True, True), (True, True, True)}
 
 
 def test_the_runtime_config_is_fairseqs():

@@ -78,6 +78,24 @@ def _nllb(size: str, *flags: str, max_tokens: int = 4096) -> tuple[str, ...]:
     return (*base, "--arch", f"transformer_nllb_{size}", *flags)
 
 
+def _nllb_bf16_weights(size: str, *flags: str, max_tokens: int = 2048) -> tuple[str, ...]:
+    """_nllb's run with bf16 weights and no fp32 master (--memory-efficient-bf16) in place of
+    --fp16."""
+    return tuple("--memory-efficient-bf16" if arg == "--fp16" else arg
+                 for arg in _nllb(size, *flags, max_tokens=max_tokens))
+
+
+#: one GPU, no fp32 master: bf16 weights (stochastic rounding), 8-bit moments, bf16 gradients
+ONE_GPU = (*RECIPE, *CKPT, *STATS8, "--fsdp2-reduce-dtype", "bf16")
+
+
+def _one_gpu_rows() -> tuple[Row, ...]:
+    return tuple(Row((label, "`--memory-efficient-bf16 --eight-bit-adam-stats "
+                             "--fsdp2-reduce-dtype bf16 --checkpoint-activations`"),
+                     _nllb_bf16_weights(size, *ONE_GPU))
+                 for label, size in (("600M", "600m"), ("1.3B", "1_3b"), ("3.3B", "3_3b")))
+
+
 def _fitting_rows() -> tuple[Row, ...]:
     rows = []
     for label, size in (("600M", "600m"), ("1.3B", "1_3b"), ("3.3B", "3_3b")):
@@ -114,6 +132,7 @@ def _lora_rows() -> tuple[Row, ...]:
 
 TABLES = (
     Table("fitting", "README.md", ("model", "extra flags"), (2, 4, 8), _fitting_rows()),
+    Table("one GPU", "README.md", ("model", "extra flags"), (1,), _one_gpu_rows()),
     Table("lora", "docs/lora.md", ("model", "extra flags"), (1,), _lora_rows()),
     Table("lora fit on 24 GB", "docs/lora.md", ("NLLB-3.3B, one GPU, settings",), (1,), (
         Row(("the recipe's, `--lora-rank 16`",), _nllb("3_3b", *RECIPE, *LORA)),

@@ -54,7 +54,7 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def precision_of(args) -> str:
-    if getattr(args, "bf16", False):
+    if getattr(args, "bf16", False) or getattr(args, "memory_efficient_bf16", False):
         return "bf16"
     if getattr(args, "fp16", False) or getattr(args, "memory_efficient_fp16", False):
         return "fp16"
@@ -119,6 +119,16 @@ def narrow_grads_of(args) -> bool:
         bool(getattr(args, "fsdp2_fp32_grad_shards", False)))
 
 
+def bf16_weights_of(args) -> bool:
+    """Whether the trainer stores the sharded parameters in bf16 with no fp32 master copy: the
+    trainer's rule (settings.keeps_bf16_weights: --memory-efficient-bf16, FSDP2 only, for a
+    step that can take them: settings.step_takes_16_bit_grads)."""
+    return backend_of(args) == "fsdp2" and settings.keeps_bf16_weights(
+        bool(getattr(args, "memory_efficient_bf16", False)),
+        settings.step_takes_16_bit_grads(getattr(args, "optimizer", "adam") or "adam",
+                                         adam_stats_of(args), getattr(args, "amsgrad", False)))
+
+
 def setup_for(args, world_size: int) -> Setup:
     replicate = args.replicate_degree or getattr(args, "fsdp2_replicate_degree", 1) or 1
     device = args.device or ("cpu" if getattr(args, "cpu", False) else "cuda")
@@ -141,7 +151,7 @@ def setup_for(args, world_size: int) -> Setup:
         memory_efficient_fp16=bool(getattr(args, "memory_efficient_fp16", False)),
         tied_grad_buffer=tied_grad_buffer_on(args), adam_stats=adam_stats_of(args),
         ema_bytes=ema_bytes_of(args), reduce_dtype=reduce_dtype_of(args),
-        narrow_grads=narrow_grads_of(args),
+        narrow_grads=narrow_grads_of(args), bf16_weights=bf16_weights_of(args),
         tied_early_reduce=backend_of(args) == "fsdp2" and tied_grad_reduce.applies(
             args, world_size // replicate, int((getattr(args, "update_freq", None) or [1])[0])))
 

@@ -9,7 +9,7 @@ from ..sharding.plan import LAYER, ROOT
 from ..criterions.fused import chunk_bytes
 from ..sharding.tied_grad_reduce import INDEX_BYTES, buffer_is_input, chunk_rows, sparse_fits
 from .ledger import (Ledger, Setup, optimizer_state_bytes, shard_rows, step_temporary_bytes,
-                     unit_sizes)
+                     unit_sizes, weight_bytes)
 from .lora import trained_sizes
 from .model_profile import ModelProfile
 
@@ -34,6 +34,10 @@ class _FSDP2Step:
         self.c = profile.compute_bytes
         # bytes per element of the reduce-scatter input and output (FSDP2's reduce dtype)
         self.rb = self.c if setup.reduce_dtype != "fp32" else 4
+        # bytes per element of a trained parameter's shard (fp32 masters, or bf16 weights) and of
+        # its gradient shard (the 16-bit reduce output kept, or the parameter's dtype)
+        self.wb = weight_bytes(setup)
+        self.gb = self.rb if setup.narrow_grads else self.wb
         self.shards = setup.world_size // setup.replicate_degree
         self.units = {u.name: u for u in profile.units}
         self.local, self.padded, self.largest = {}, {}, 0
@@ -143,22 +147,24 @@ class _FSDP2Step:
         # A unit reduced at the end of backward (the root, the shared embedding) still holds
         # its unsharded gradients while FSDP2 allocates the reduce-scatter output (measured at
         # NLLB-600M: gradient, input and output of the shared unit alive at once); a layer's
-        # gradients are freed after the copy-in, before the output is allocated. A 16-bit
-        # output is then cast to the fp32 sharded gradient, both alive at the cast.
-        cast = 4 if self.rb != 4 and not self.s.narrow_grads else 0
+        # gradients are freed after the copy-in, before the output is allocated. An output in
+        # another dtype than the sharded gradient's (16 bits to fp32 masters' gradient, fp32 to
+        # bf16 weights') is then cast, both alive at the cast.
+        cast = self.gb if self.rb != self.gb else 0
         local = self.grad_local[name] - less[1]
         output = local * (self.rb + cast) if self.on_device else 0
         led.moment(f"backward: reduce-scatter {name}", comm=rs_input,
                    grads=output if in_ledger else grad_bytes)
         if not in_ledger and cast and output > grad_bytes:
-            led.moment(f"backward: reduce-scatter {name} (output cast to fp32)",
+            led.moment(f"backward: reduce-scatter {name} (output cast to "
+                       f"{'fp32' if self.gb == 4 else 'bf16'})",
                        comm=rs_input, grads=output)
         if in_ledger:
             led.sub("grads", grad_bytes)  # unsharded gradients dropped after the copy-in
         led.add("comm", rs_input)
         self.retained_rs = rs_input
-        if self.on_device:  # the sharded gradient: fp32, or the 16-bit output kept
-            led.add("grads", local * (self.rb if self.s.narrow_grads else 4))
+        if self.on_device:  # the sharded gradient: fp32, the 16-bit output kept, or bf16
+            led.add("grads", local * self.gb)
         self.reduced.add(name)
         self.reshard(name)
 
@@ -200,9 +206,10 @@ class _FSDP2Step:
         led.sub("grads", self.rows_kept)
         self.rows_kept = 0
         local_rows = shard_rows(V, self.shards, self.rank)[0]
-        kept = local_rows * d * (self.rb if self.s.narrow_grads or self.rb == 4 else 4)
+        kept = local_rows * d * self.gb
         if kept != self.tied_shard:
-            led.moment("backward: tied gradient's shard cast to fp32", grads=kept)
+            led.moment(f"backward: tied gradient's shard cast to "
+                       f"{'fp32' if self.gb == 4 else 'bf16'}", grads=kept)
         led.sub("grads", self.tied_shard)
         self.tied_shard = 0
         if self.s.update_freq == 1:  # else added into the gradient of the earlier micro-batches
@@ -213,18 +220,19 @@ class _FSDP2Step:
         p, s, led, c = self.p, self.s, self.led, self.c
         T, V, d = p.workload.tokens, p.vocab, p.embed_dim
         mixed = c != 4
-        sharded = sum(self.grad_local.values()) * 4  # the trained (fp32) shards
+        elements = sum(self.grad_local.values())  # the trained shards' (fp32, or bf16)
         if self.on_device:
-            led.add("sharded", sharded + sum(self.frozen_local.values()) * c)
+            led.add("sharded", elements * self.wb + sum(self.frozen_local.values()) * c)
             led.add("optim", optimizer_state_bytes(
-                s, sharded // 4, self.trained_shapes, self.shards, self.rank))
-            led.add("ema", sharded // 4 * s.ema_bytes)  # beside the shards (trainer/ema.py)
+                s, elements, self.trained_shapes, self.shards, self.rank))
+            led.add("ema", elements * s.ema_bytes)  # beside the shards (trainer/ema.py)
         led.add("other", p.buffer_bytes)
         if s.update_freq > 1:  # gradients carried over from the earlier micro-batches
             if s.no_sync:
-                led.add("grads", sum(self.grad_padded.values()) * (4 if mixed else c))
+                led.add("grads", sum(self.grad_padded.values()) *
+                        (4 if mixed and not s.bf16_weights else c))
             elif self.on_device:
-                led.add("grads", sharded)
+                led.add("grads", elements * self.wb)
         self.forward()
         if s.loss_chunk_tokens > 0:
             first_accumulated = self.chunked_loss(min(s.loss_chunk_tokens, T))
@@ -261,7 +269,7 @@ class _FSDP2Step:
             self.reshard(name)
         # optimizer step (the update's temporaries, for the largest shard)
         led.moment("optimizer step",
-                   optim=step_temporary_bytes(s, self.grad_largest, sharded // 4)
+                   optim=step_temporary_bytes(s, self.grad_largest, elements)
                    if self.on_device else 0)
         return led
 

@@ -64,6 +64,10 @@ class Setup:
     # the tied embedding's gradient reduced early into the shard, the lookups' rows exchanged
     # (sharding/tied_grad_reduce.py; its ``applies`` decides, setup_for in from_args.py)
     tied_early_reduce: bool = False
+    # the sharded parameters stored in bf16 with no fp32 master copy, and so their gradient
+    # shards (--memory-efficient-bf16 with Adam: settings.keeps_bf16_weights decides,
+    # bf16_weights_of in from_args.py)
+    bf16_weights: bool = False
 
 
 class Ledger:
@@ -154,7 +158,14 @@ def row_chunked(setup: Setup) -> bool:
     the optimizer's rule, settings.row_chunked_step."""
     return settings.row_chunked_step(
         settings.step_takes_16_bit_grads(setup.optimizer, setup.adam_stats, setup.amsgrad),
-        setup.adam_stats, setup.narrow_grads)
+        setup.adam_stats, setup.narrow_grads, bf16_weights=setup.bf16_weights)
+
+
+def weight_bytes(setup: Setup) -> int:
+    """Bytes per element of a trained parameter's shard, and of its gradient shard where not
+    kept in the 16-bit reduce dtype: 2 with bf16 weights (FSDP2 keeps a gradient in its
+    parameter's dtype), else 4 (the fp32 master shards)."""
+    return 2 if setup.bf16_weights else 4
 
 
 def step_temporary_bytes(setup: Setup, largest: int, total: int, buckets: bool = True) -> int:
@@ -163,10 +174,10 @@ def step_temporary_bytes(setup: Setup, largest: int, total: int, buckets: bool =
 
     Stepped a chunk of rows at a time (row_chunked; at most STEP_CHUNK elements a call): the
     chunk's moments widened to float32 (8 bytes per element; none for float32 moments, stepped
-    where they are: the format's widened_bytes), its 16-bit gradient widened (4) and Adam's
-    float32 denominator (4), or, once Adam is done, in its place the narrowing's temporaries
-    (the format's narrow_bytes: bf16's random integers, 4, or 8 bits' quantization of a
-    chunk). Otherwise: one float32 temporary of the largest parameter (Adam's denominator);
+    where they are: the format's widened_bytes), its 16-bit gradient widened (4), bf16 weights'
+    rows widened (4) and Adam's float32 denominator (4), or, once Adam is done, in its place
+    the narrowing's temporaries (the format's narrow_bytes: bf16's random integers, 4, or 8
+    bits' quantization of a chunk; the weights' stochastic rounding: bf16's). Otherwise: one float32 temporary of the largest parameter (Adam's denominator);
     with fp16 moments (fairseq's scale is the whole tensor's maximum), a bucket's moments
     widened to float32 as well (optimizer/adam_stats.py: at most max(largest, BUCKET_MIN)
     elements and no more than there are, small parameters' 16-bit moments kept, a large one's
@@ -174,8 +185,13 @@ def step_temporary_bytes(setup: Setup, largest: int, total: int, buckets: bool =
     parameter at a time."""
     if buckets and row_chunked(setup):
         fmt, n = adam_moments(setup), min(STEP_CHUNK, total)
-        widened = len(MOMENTS) * fmt.widened_bytes + (4 if setup.narrow_grads else 0)
-        return widened * n + max(4 * n, fmt.narrow_bytes(n))
+        wide_grads = setup.narrow_grads or setup.bf16_weights
+        widened = len(MOMENTS) * fmt.widened_bytes + (4 if wide_grads else 0) + \
+            (4 if setup.bf16_weights else 0)
+        narrowing = fmt.narrow_bytes(n)
+        if setup.bf16_weights:
+            narrowing = max(narrowing, moments.named("bf16").narrow_bytes(n))
+        return widened * n + max(4 * n, narrowing)
     if state_bytes(setup) == 4:
         return 4 * largest
     return 8 * (min(max(largest, BUCKET_MIN), total) if buckets else largest)

@@ -55,18 +55,23 @@ class Held:
 def _hold_narrow(optimizer: torch.optim.Optimizer, state_dict: dict) -> Optional[dict]:
     """load_state_dict pre-hook: wrap the 16-bit (8-bit) moments laid out like their parameter
     (a stock checkpoint's full tensors for sharded parameters are not: full_state.py cuts
-    those, in float32)."""
+    those, in float32), and, for bf16 parameters (settings.keeps_bf16_weights), float32 moments
+    and every float32 side tensor: torch would round them to bf16."""
     if "state" not in state_dict or "param_groups" not in state_dict:
         return None
     saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
     params = dict(zip(saved_ids, chain.from_iterable(g["params"] for g in optimizer.param_groups)))
 
     def hold(param, key, value):
-        if key in MOMENTS and torch.is_tensor(value) and \
-                value.dtype in moments.NARROW_DTYPES and \
-                isinstance(value, DTensor) == isinstance(param, DTensor) and \
-                value.shape == param.shape:
-            return Held(value)
+        if not torch.is_tensor(value) or key == "step" or \
+                isinstance(value, DTensor) != isinstance(param, DTensor):
+            return value
+        if key in MOMENTS:
+            if value.shape == param.shape and (value.dtype in moments.NARROW_DTYPES or
+                                               value.dtype != param.dtype):
+                return Held(value)
+        elif value.is_floating_point() and value.dtype != param.dtype:
+            return Held(value)  # a side (8-bit block maxima, fp16 scales) of bf16 weights
         return value
     state_dict["state"] = {
         index: {k: hold(params[index], k, v) for k, v in per_param.items()}
@@ -102,6 +107,8 @@ class StoredMoments(RowChunkSteps):
     stats_seed: int = 0
     #: a state in a format other than the run's was loaded: widen it at the next step
     mixed_state_loaded: bool = False
+    #: the parameters are stored in bf16 (settings.keeps_bf16_weights): every step row-chunked
+    bf16_weights: bool = False
     _hold_hook = None  # the pre-hook of the load_state_dict call in progress
     _numels = None  # parameter -> elements of its local shard
 
@@ -121,12 +128,14 @@ class StoredMoments(RowChunkSteps):
         """Whether this step runs a chunk of rows at a time (row_chunk_step.py), with
         ``narrow_grads`` (16-bit gradient shards) given: settings.row_chunked_step decides."""
         return settings.row_chunked_step(self.takes_16_bit_grads(), self.moments.name,
-                                         narrow_grads, self.mixed_state_loaded)
+                                         narrow_grads, self.mixed_state_loaded,
+                                         self.bf16_weights)
 
     def step(self, closure=None):
         narrow_grads = any(p.grad is not None and p.grad.dtype in SIXTEEN_BIT_GRADS
                            for group in self.param_groups for p in group["params"])
-        if not self.moments.widened_bytes and not self.mixed_state_loaded and not narrow_grads:
+        if not self.moments.widened_bytes and not self.mixed_state_loaded and \
+                not narrow_grads and not self.bf16_weights:
             return super().step(closure)  # stepped where stored, nothing to convert: fairseq's
         loss = None
         if closure is not None:
@@ -254,10 +263,11 @@ class StoredMoments(RowChunkSteps):
                 self._hold_hook = None
         mixed = False
         for per_param in self.state.values():
+            for key, value in list(per_param.items()):
+                if isinstance(value, Held):
+                    per_param[key] = value.tensor
             for key in MOMENTS:
                 value = per_param.get(key)
-                if isinstance(value, Held):
-                    per_param[key] = value = value.tensor
                 if torch.is_tensor(value) and (
                         moments.stored_format(per_param, key) is not FP32 or
                         any(k in per_param for k in moments.side_keys(key))):
@@ -270,15 +280,18 @@ FORMAT_OF = {fmt.dtype: name for name, fmt in moments.FORMATS.items()}
 
 
 def use_16_bit_moments(torch_optimizer: torch.optim.Optimizer, stats: str = "fp32",
-                       local_shards: bool = True, seed: int = 0) -> bool:
+                       local_shards: bool = True, seed: int = 0,
+                       bf16_weights: bool = False) -> bool:
     """Keep the moments of ``torch_optimizer`` (if it is fairseq's Adam) as ``stats`` asks
     (``fp32``, ``fp16``, ``bf16``, ``8bit``: moments.FORMATS); returns whether it is Adam.
     Every Adam gets the mixin, so that a 16-bit or 8-bit state loaded into a float32 run is
-    widened."""
+    widened. ``bf16_weights``: the parameters are stored in bf16 (settings.keeps_bf16_weights),
+    each update written back with stochastic rounding (row_chunk_step.py)."""
     if not mix_into(torch_optimizer, StoredMoments, ELEMENTWISE):
         return False
     torch_optimizer.moments = moments.named(stats)
     torch_optimizer.local_shards = local_shards
     torch_optimizer.stats_seed = seed
+    torch_optimizer.bf16_weights = bf16_weights
     torch_optimizer.grad_factors = []
     return True

@@ -32,6 +32,17 @@ def adam_stats(cfg) -> str:
         OmegaConf.select(cfg, "distributed_training.eight_bit_adam_stats", default=False))
 
 
+def keeps_bf16_weights(cfg, local_shards: bool = True) -> bool:
+    """Whether this run keeps its sharded parameters in bf16 with no float32 master copy
+    (--memory-efficient-bf16 with fairseq's Adam: settings.keeps_bf16_weights decides, for the
+    trainer, which casts the model, and for the step, which rounds the updates back)."""
+    return settings.keeps_bf16_weights(
+        bool(OmegaConf.select(cfg, "common.memory_efficient_bf16", default=False)),
+        settings.step_takes_16_bit_grads(
+            str(getattr(cfg.optimizer, "_name", None) or ""), adam_stats(cfg),
+            bool(getattr(cfg.optimizer, "amsgrad", False)), local_shards))
+
+
 def build_optimizer(cfg, params, local_shards: bool = True):
     """fairseq's optimizer over the sharded fp32 parameters; fp16 adds the loss scaler.
 
@@ -60,7 +71,8 @@ def build_optimizer(cfg, params, local_shards: bool = True):
         use_local_shards(inner.optimizer)  # elementwise optimizers step on the local shards
     use_factored_state(inner.optimizer)  # Adafactor: its row and column statistics sharded
     seed = OmegaConf.select(cfg, "common.seed", default=1)
-    if use_16_bit_moments(inner.optimizer, stats, local_shards, seed=seed) and stats != "fp32":
+    if use_16_bit_moments(inner.optimizer, stats, local_shards, seed=seed,
+                          bf16_weights=keeps_bf16_weights(cfg, local_shards)) and stats != "fp32":
         flag, saving = {"8bit": ("eight-bit", "about a quarter of")}.get(stats, (stats, "half"))
         logger.info(f"Adam's moments kept in {stats} between steps (--{flag}-adam-stats): "
                     f"{saving} the optimizer state")

@@ -29,6 +29,10 @@ ELEMENTWISE = frozenset({("fairseq.optim.adam", "Adam")})
 #: the dtypes of the gradient shards FSDP2 may leave in 16 bits (sharding/sixteen_bit_grads.py): the
 #: step widens them (row_chunk_step.py), multiply_grads leaves their factors pending
 SIXTEEN_BIT_GRADS = (torch.float16, torch.bfloat16)
+#: the parameter dtypes stored without a float32 master copy (settings.keeps_bf16_weights): the
+#: row-chunked step (row_chunk_step.py) widens a chunk of their rows and rounds the update back
+#: stochastically
+SIXTEEN_BIT_WEIGHTS = (torch.bfloat16,)
 
 
 @contextlib.contextmanager

@@ -1,13 +1,15 @@
 """fairseq's precision flags, mapped onto FSDP2.
 
-Master weights are the sharded fp32 parameters in every mode; ``--fp16``/``--bf16`` set the
-compute dtype through ``MixedPrecisionPolicy``; gradients are reduced in fp32, or with
+Master weights are the sharded fp32 parameters in every mode but one (below); ``--fp16``/
+``--bf16`` set the compute dtype through ``MixedPrecisionPolicy``; gradients are reduced in fp32, or with
 ``--fsdp2-reduce-dtype fp16/bf16`` in the compute dtype (FSDP2 then reduce-scatters the 16-bit
 gradients as they are, pre- and post-dividing by about sqrt(world size) in fp16: see
 docs/compatibility.md).
 ``--memory-efficient-fp16`` means the same as ``--fp16`` here: there is no separate fp32 copy of
 the weights to save, as with fairseq's legacy FSDP. fp16's dynamic loss scaling is fairseq's own
-(build.py, loss_scale.py).
+(build.py, loss_scale.py). ``--memory-efficient-bf16`` with fairseq's Adam stores the sharded
+parameters themselves in bf16 (settings.keeps_bf16_weights; the trainer casts them, the step
+rounds each update back stochastically: row_chunk_step.py); the policy below then casts nothing.
 """
 from __future__ import annotations
 
@@ -21,8 +23,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 def compute_dtype(common_cfg) -> Optional[torch.dtype]:
     if common_cfg.fp16:
         return torch.float16
-    if common_cfg.bf16:
-        return torch.bfloat16
+    if common_cfg.bf16 or getattr(common_cfg, "memory_efficient_bf16", False):
+        return torch.bfloat16  # fairseq's parser sets --bf16 with it; a hydra config may not
     return None
 
 

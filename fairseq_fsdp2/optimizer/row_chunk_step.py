@@ -41,9 +41,9 @@ from torch.distributed.tensor import DTensor
 from .. import chunks
 from ..sharding.mesh import local_part
 from . import moments
-from .local_shard_step import SIXTEEN_BIT_GRADS
+from .local_shard_step import SIXTEEN_BIT_GRADS, SIXTEEN_BIT_WEIGHTS
 from .moments.format import MOMENTS, MomentFormat, shard_dims
-from .moments.stochastic_round import generator_for
+from .moments.stochastic_round import generator_for, to_bf16_stochastic
 
 #: elements stepped at once (a chunk of a large parameter's rows, or several small parameters)
 STEP_CHUNK = chunks.STEP_ELEMENTS
@@ -141,6 +141,30 @@ class _Moment:
             state[self.fmt.side_key(self.key)] = side
 
 
+class _Weight:
+    """One parameter's rows through a chunked step when it is stored in bf16 (settings.
+    keeps_bf16_weights: no float32 master copy): each chunk widened to float32 (exact) for
+    fairseq's Adam, the stepped rows written back rounded stochastically (moments/
+    stochastic_round.py), from the parameter's own stream (the run's seed, the step, the
+    parameter's place, stream MOMENTS' length: after the moments', the shard's place), so that a
+    resumed run draws as the uninterrupted one did. Why stochastic: at fine-tuning learning
+    rates an update is mostly far below half a bf16 unit of its weight (2^-9 to 2^-8 of it);
+    rounded to nearest it is lost, rounded stochastically it is kept on average."""
+
+    def __init__(self, seed: int, nearest: bool):
+        self.seed, self.nearest = seed, nearest
+        self.generator: Optional[torch.Generator] = None
+
+    def write(self, stored: torch.Tensor, value: torch.Tensor) -> None:
+        """The float32 rows ``value`` (used as scratch) into the bf16 rows ``stored``."""
+        if self.nearest:  # the test's control (RowChunkSteps.round_weights_to_nearest)
+            stored.copy_(value)
+            return
+        if self.generator is None:
+            self.generator = generator_for(value.device, self.seed)
+        to_bf16_stochastic(value, self.generator, out=stored)
+
+
 class RowChunkSteps:
     """Mixin for fairseq's Adam under StoredMoments (adam_stats.py): ``step_in_row_chunks``
     steps every parameter with a gradient a chunk of rows at a time, its moments kept in the
@@ -150,6 +174,9 @@ class RowChunkSteps:
     step_chunk: int = STEP_CHUNK
     #: factors multiply_grads left pending for the 16-bit gradients (grad_norm.py)
     grad_factors: list = []
+    #: bf16 weights written back rounded to nearest, not stochastically: only the tests'
+    #: control run (tests/probes/nearest_weights.py), to show what stochastic rounding keeps
+    round_weights_to_nearest: bool = False
 
     def format_for(self, p: torch.Tensor) -> MomentFormat:
         """The format of ``p``'s moments in this run (8 bits: float32 for a small one)."""
@@ -172,7 +199,11 @@ class RowChunkSteps:
                 entry = [_Moment(state, key, fmt, p, stream_seed(
                     self.stats_seed, step, index, k, *shard_coordinate(p)))
                     for k, key in enumerate(MOMENTS)]
-                moments.append((p, entry, step - 1 if state else None))
+                weight = _Weight(stream_seed(self.stats_seed, step, index, len(MOMENTS),
+                                             *shard_coordinate(p)),
+                                 self.round_weights_to_nearest) \
+                    if p.dtype in SIXTEEN_BIT_WEIGHTS else None
+                moments.append((p, entry, step - 1 if state else None, weight))
                 local = local_part(p)
                 rows, row = (local.shape[0], math.prod(local.shape[1:])) if local.dim() else (1, 1)
                 chunk = rows_per_chunk(row, self.step_chunk)
@@ -189,7 +220,7 @@ class RowChunkSteps:
             for call in calls:
                 if call:
                     self._step_pieces(group, params, moments, call, scratch)
-            for p, entry, _ in moments:
+            for p, entry, *_ in moments:
                 state = self.state[p]
                 for m in entry:
                     m.store(state)
@@ -201,12 +232,15 @@ class RowChunkSteps:
         each a plain view of the parameter's local rows, its gradient widened, its moments
         read in float32 (into ``scratch``, each piece at its own offset); then the moments
         written back in the run's format."""
-        pieces, states = [], {}
+        pieces, states, kept = [], {}, []
         offset = 0
         with torch.no_grad():
             for i, a, b, n in call:
-                p, entry, before = moments[i]
+                p, entry, before, weight = moments[i]
                 piece = rows_of(local_part(p), a, b)
+                kept.append(piece)
+                if weight is not None:  # bf16 weights: stepped in float32 (exact widening)
+                    piece = scratch.get("param", offset, n).view(piece.shape).copy_(piece)
                 grad = rows_of(local_part(p.grad), a, b)
                 piece.grad = widened(grad, self.grad_factors, out=scratch.get(
                     "grad", offset, n) if grad.dtype in SIXTEEN_BIT_GRADS else None)
@@ -223,9 +257,12 @@ class RowChunkSteps:
         finally:
             self.state = held
             group["params"] = params
-        for piece, (i, a, b, _) in zip(pieces, call):
-            p, entry, _ = moments[i]
+        for piece, stored, (i, a, b, _) in zip(pieces, kept, call):
+            p, entry, _, weight = moments[i]
             new = states[piece]
+            if weight is not None:
+                with torch.no_grad():
+                    weight.write(stored, piece)
             self.state[p]["step"] = new["step"]
             for m in entry:
                 m.write(a, b, new[m.key])
@@ -235,8 +272,8 @@ class RowChunkSteps:
 class _Scratch:
     """The float32 space one step's calls widen into, allocated once a step (on first use) and
     reused by every call (each call's rows widened into it, stepped, narrowed back before the
-    next): the 16-bit gradients and the two stored moments, ``elements`` each (the largest
-    call's). Why not a new tensor per chunk: on CPU, under MALLOC_MMAP_THRESHOLD_, each new
+    next): the 16-bit gradients, the two stored moments and bf16 weights, ``elements`` each (the
+    largest call's). Why not a new tensor per chunk: on CPU, under MALLOC_MMAP_THRESHOLD_, each new
     buffer costs a page fault per 4 KiB (2.7 us on this project's machines), about as long
     as widening and stepping the 4 KiB, and at NLLB-600M the step widens 2.4 GB a rank. Dropped
     when the step returns: nothing is kept between steps (the estimator counts it as the
@@ -247,7 +284,7 @@ class _Scratch:
         self.buffers: dict[str, torch.Tensor] = {}
 
     def get(self, name: str, start: int, n: int) -> torch.Tensor:
-        """Elements start:start+n of the buffer ``name`` ("grad" or a moment's key)."""
+        """Elements start:start+n of the buffer ``name`` ("grad", "param" or a moment's key)."""
         if name not in self.buffers:
             self.buffers[name] = torch.empty(self.elements, dtype=torch.float32,
                                              device=self.device)

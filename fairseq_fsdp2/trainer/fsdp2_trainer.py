@@ -26,7 +26,7 @@ from ..memory.breakdown import record_update
 from ..memory.monitor import MemoryMonitor, describe_last
 from ..optimizer import mixed_precision
 from ..optimizer.moments.blockwise_8bit import release_workspaces
-from ..optimizer.build import build_optimizer
+from ..optimizer.build import build_optimizer, keeps_bf16_weights
 from ..models import lora
 from ..options import (FSDP2_BACKEND, lora_modules, lora_scaling, lora_train_patterns,
                        tied_grad_buffer_on)
@@ -122,6 +122,7 @@ class FSDP2Trainer(TrainerEMA, TrainerCheckpoints, Trainer):
                 run.on_close(restore)
         dtype = mixed_precision.compute_dtype(self.cfg.common)
         mixed_precision.cast_float_buffers(model, dtype)
+        self._store_bf16_weights(model)
         apply_plan(model, plan, mesh,
                    mp_policy=mixed_precision.mixed_precision_policy(self.cfg.common, dt),
                    cpu_offload=dt.cpu_offload)
@@ -143,6 +144,19 @@ class FSDP2Trainer(TrainerEMA, TrainerCheckpoints, Trainer):
             # when the model has one; give the sharded model FSDP2's equivalent.
             model.no_sync = lambda: _no_gradient_sync(model)
         return model
+
+    def _store_bf16_weights(self, model) -> None:
+        """--memory-efficient-bf16: the parameters stored in bf16 before they are sharded, no
+        float32 master copy (settings.keeps_bf16_weights decides, as for the optimizer, whose
+        step rounds each update back stochastically, and the estimator)."""
+        if keeps_bf16_weights(self.cfg):
+            model.to(torch.bfloat16)
+            logger.info("--memory-efficient-bf16: parameters stored in bf16 (no float32 master "
+                        "copy), each update written back with stochastic rounding")
+        elif getattr(self.cfg.common, "memory_efficient_bf16", False):
+            logger.warning("--memory-efficient-bf16 keeps float32 master weights here, as "
+                           "--bf16 does: bf16 weights need fairseq's Adam (--optimizer adam) "
+                           "without --amsgrad or --fp16-adam-stats")
 
     def _initialize_adapters(self, model) -> None:
         """The adapters' starting values (models/lora.py: the same on every rank, from the

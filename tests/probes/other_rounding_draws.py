@@ -1,8 +1,9 @@
 """fairseq-train whose stochastic rounding of Adam's stored moments (--bf16-adam-stats,
---eight-bit-adam-stats) draws other random numbers: the moments' generator is seeded from the
-run's --seed plus OFFSET. The model's initialisation, the order of the batches and the dropout
-masks come from --seed, untouched, so the run differs from the plain one by its rounding draws
-alone: tests/test_adam_stats_8bit.py compares a run with that spread (the noise of the rounding)
+--eight-bit-adam-stats) and of bf16 weights (--memory-efficient-bf16) draws other random
+numbers: their generators are seeded from the run's --seed plus OFFSET. The model's
+initialisation, the order of the batches and the dropout masks come from --seed, untouched, so
+the run differs from the plain one by its rounding draws alone: tests/test_adam_stats_8bit.py
+and tests/test_bf16_weights.py compare a run with that spread (the noise of the rounding)
 instead of a wide constant."""
 from fairseq_cli.train import cli_main
 

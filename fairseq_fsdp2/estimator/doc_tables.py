@@ -132,7 +132,7 @@ def _lora_rows() -> tuple[Row, ...]:
 
 TABLES = (
     Table("fitting", "README.md", ("model", "extra flags"), (2, 4, 8), _fitting_rows()),
-    Table("one GPU", "README.md", ("model", "extra flags"), (1,), _one_gpu_rows()),
+    Table("one GPU", "docs/memory.md", ("model", "extra flags"), (1,), _one_gpu_rows()),
     Table("lora", "docs/lora.md", ("model", "extra flags"), (1,), _lora_rows()),
     Table("lora fit on 24 GB", "docs/lora.md", ("NLLB-3.3B, one GPU, settings",), (1,), (
         Row(("the recipe's, `--lora-rank 16`",), _nllb("3_3b", *RECIPE, *LORA)),

@@ -136,7 +136,7 @@ class StoredMoments(RowChunkSteps):
                            for group in self.param_groups for p in group["params"])
         if not self.moments.widened_bytes and not self.mixed_state_loaded and \
                 not narrow_grads and not self.bf16_weights:
-            return super().step(closure)  # stepped where stored, nothing to convert: fairseq's
+            return super().step(closure)  # nothing widened or narrowed: fairseq's own step
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -64,7 +64,8 @@ STOCK_DDP = ["--ddp-backend", "legacy_ddp", "--distributed-init-method", "env://
 #: order. The order changes nothing but which worker runs what when.
 LONGEST_FIRST = [
     "test_backend.py", "test_bad_input.py", "test_checkpoints.py", "test_fairseq_compat.py",
-    "test_faults.py", "test_estimate.py", "test_predicted_tables.py", "test_lora.py",
+    "test_faults.py", "test_estimate.py", "test_bf16_weights.py", "test_evaluate.py",
+    "test_predicted_tables.py", "test_lora.py",
     "test_adam_stats_8bit.py", "test_launchers.py", "test_fairseq_validation.py",
     "test_nllb_finetune.py", "test_ema.py", "test_quiet.py", "test_chunked_loss.py",
     "test_in_process.py", "test_narrow_grads.py", "test_other_tasks.py", "test_gpu_check.py",

@@ -17,20 +17,11 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ..errors import OptionError
+from ..data.inputs import Pair as Direction  # a direction is the data's language pair
 from ..models.nllb_languages import LANG_CODE, NLLB200_LANGS
 
 #: what prepare_data.sh writes into DATA and the evaluation reads
 DATA_FILES = ("dict.txt", "spm.model", "langs.txt", "lang_pairs.txt")
-
-
-@dataclass(frozen=True)
-class Direction:
-    src: str
-    tgt: str
-
-    @property
-    def name(self) -> str:
-        return f"{self.src}-{self.tgt}"
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ neighbours, the upper with probability (x - lower) / (upper - lower), unbiased w
 Then fairseq-train on two ranks (below): fine-tuning a trained model at an NLLB fine-tuning
 learning rate, the bf16-weight run against the float32-master run within the spread of its own
 rounding, where rounding to nearest fails; the checkpoint's bf16 weights, exact resume, resume
-at another world size and the consolidated export.
+at another world size, and the consolidated and Hugging Face exports.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import REPO, other_rounding_draws, train_args_for
+from fairseq_fsdp2.hf.nllb_weights import FAIRSEQ_VERSIONS, HFWeights
 from launcher import ok, run_command, run_ranks
 from moment_bounds import assert_bf16_weight_update_law
 from numerics import NOISE_FACTOR, NOISE_REACH, assert_within_noise, per_update, spread
@@ -160,10 +161,12 @@ def test_bf16_weights_are_saved_in_bf16_and_resume_exactly(fine_tuned, corpus, t
         sorted(per_update(one_rank)) == [RESUMED_AT + 1]
 
 
-def test_consolidated_export_holds_the_bf16_weights_exactly(fine_tuned, tmp_path):
+def test_consolidated_and_hf_exports_hold_the_bf16_weights_exactly(fine_tuned, tmp_path):
     """python -m fairseq_fsdp2.consolidate on the bf16-weight run's last checkpoint: a stock
     checkpoint whose every model tensor is bf16 and equal to the shards' (no float32 copy was
-    ever kept to export, nothing rounded on the way out)."""
+    ever kept to export, nothing rounded on the way out); and ``--format hf``: a Hugging Face
+    directory whose every weight, read back under its fairseq name (hf/nllb_weights.py's
+    reader, the one fine-tuning from a Hugging Face directory uses), is bf16 and the shards'."""
     _, save_dir = fine_tuned("ours")
     exported = tmp_path / "model.pt"
     proc = run_command("fairseq_fsdp2.consolidate", save_dir / "checkpoint_last.pt", exported)
@@ -175,5 +178,19 @@ def test_consolidated_export_holds_the_bf16_weights_exactly(fine_tuned, tmp_path
     # embedding, saved once (encoder.embed_tokens.weight)
     assert {k for k in model if "model." + k not in shards} <= tied
     for key, value in model.items():
+        assert torch.equal(value, shards["model." + (
+            "encoder.embed_tokens.weight" if key in tied else key)]), key
+    hf_dir = tmp_path / "hf"
+    proc = run_command("fairseq_fsdp2.consolidate", save_dir / "checkpoint_last.pt", hf_dir,
+                       "--format", "hf")
+    assert proc.returncode == 0, proc.output[-2000:]
+    weights = HFWeights(str(hf_dir))
+    names = [k for k in weights if k not in FAIRSEQ_VERSIONS]  # version markers, not weights
+    assert set(names) >= {k for k in model if "embed_positions" not in k and
+                          k not in FAIRSEQ_VERSIONS}  # every weight (the
+    # sinusoidal positions are computed, not stored, on both sides)
+    for key in names:
+        value = weights[key]
+        assert value.dtype == torch.bfloat16, key
         assert torch.equal(value, shards["model." + (
             "encoder.embed_tokens.weight" if key in tied else key)]), key

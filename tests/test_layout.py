@@ -272,6 +272,14 @@ def installed_packages(top: Path) -> list[str]:
     return found
 
 
+def write_tree(root: Path, sources: dict[str, str]) -> None:
+    """A made-up checkout for the checks' own tests: each relative path written with its
+    text, its folders made."""
+    for rel, text in sources.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
 def test_only_the_command_line_owners_end_the_process():
     assert not exits(MODULES)
 
@@ -329,9 +337,7 @@ def test_the_checks_find_what_they_look_for(tmp_path):
         "high/__init__.py": "",
         "high/b.py": "from fairseq_fsdp2.low import a\n",
     }
-    for rel, text in sources.items():
-        (tmp_path / PACKAGE / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / PACKAGE / rel).write_text(text)
+    write_tree(tmp_path / PACKAGE, sources)
     modules = modules_under(tmp_path)
     a, b, c = f"{PACKAGE}.low.a", f"{PACKAGE}.high.b", f"{PACKAGE}.low.c"
     edges = import_graph(modules)
@@ -367,9 +373,7 @@ def test_the_process_checks_find_what_they_look_for(tmp_path):
         "integration/registration.py": "import fairseq.options\n"
                                        "fairseq.options.parse_args_and_arch = None\n",
     }
-    for rel, text in sources.items():
-        (tmp_path / PACKAGE / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / PACKAGE / rel).write_text(text)
+    write_tree(tmp_path / PACKAGE, sources)
     modules = modules_under(tmp_path)
     a, b = f"{PACKAGE}.a", f"{PACKAGE}.b"
     assert exits(modules) == sorted([
@@ -396,9 +400,7 @@ def test_the_outside_checks_find_what_they_look_for(tmp_path):
         "docs/page.md": "",
         "pyproject.toml": '[tool.setuptools.packages.find]\ninclude = ["fairseq_fsdp2*"]\n',
     }
-    for rel, text in sources.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text)
+    write_tree(tmp_path, sources)
     outside = beside_the_package(tmp_path)
     assert outside == {"benchmarks", "harness", "recipes", "finetune_nllb"}
     assert outside_imports(modules_under(tmp_path), outside) == [
@@ -545,9 +547,7 @@ def test_the_moment_format_check_finds_what_it_looks_for(tmp_path):
         "estimator/ledger.py": "def f(setup):\n    return 2 if setup.adam_stats in ('fp16', "
                                "'bf16') else setup.adam_stats != 'fp32'\n",
     }
-    for rel, text in sources.items():
-        (tmp_path / PACKAGE / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / PACKAGE / rel).write_text(text)
+    write_tree(tmp_path / PACKAGE, sources)
     modules = modules_under(tmp_path)
     step, ledger = f"{PACKAGE}.optimizer.step", f"{PACKAGE}.estimator.ledger"
     assert side_key_tables(modules) == {"ABSMAX_KEYS": {"exp_avg_absmax", "exp_avg_sq_absmax"}}

@@ -18,6 +18,7 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
 
 from ..errors import CheckpointError, no_space_left
 from ..models import lora
@@ -222,7 +223,7 @@ def _with_ema(state: dict, ema: dict | None) -> dict:
     extra = {k: v for k, v in extra.items() if k not in (EMA_KEY, EMA_FP32_KEY)}
     if ema is not None:
         extra[EMA_KEY] = ema
-        cfg = _plain(state.get("cfg"))
+        cfg = plain_config(state.get("cfg"))
         if isinstance(cfg, dict) and (cfg.get("ema") or {}).get("ema_fp32"):
             extra[EMA_FP32_KEY] = ema  # the same fp32 tensors: torch.save writes them once
     return {**state, "extra_state": extra}
@@ -233,7 +234,7 @@ def _stock_cfg(cfg):
     FSDP's sharded state), and with plain dicts for argparse Namespaces (legacy archs keep
     cfg.model as one), which ``torch.load(weights_only=True)`` - torch's default since 2.6 -
     refuses to unpickle."""
-    cfg = _plain(cfg)
+    cfg = plain_config(cfg)
     if not isinstance(cfg, dict) or not isinstance(cfg.get("distributed_training"), dict):
         return cfg
     dt = {k: v for k, v in cfg["distributed_training"].items()
@@ -251,13 +252,17 @@ def _stock_cfg(cfg):
     return cfg
 
 
-def _plain(value):
+def plain_config(value):
+    """A saved config as plain containers: argparse Namespaces (the legacy architectures' args)
+    and OmegaConf nodes become dicts and lists, at every depth."""
+    if OmegaConf.is_config(value):
+        value = OmegaConf.to_container(value)
     if isinstance(value, argparse.Namespace):
         value = vars(value)
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: plain_config(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_plain(v) for v in value)
+        return type(value)(plain_config(v) for v in value)
     return value
 
 

@@ -23,11 +23,12 @@ import json
 import shutil
 from pathlib import Path
 
+from ..checkpoint.export import plain_config
 from ..errors import CheckpointError
 from .generation import Generation, Translations, fairseq_config, generate_argv
-from .inputs import Direction, TestSet, listed
+from .inputs import Direction, TestSet, listed, pair_file
 from .models import CT2_CONFIG as CONFIG, CT2_SPM as SPM_FILE, ModelSource, \
-    fairseq_checkpoint, need_ctranslate2, plain_config
+    ct2_vocabulary, fairseq_checkpoint, need_ctranslate2, saved_task, trained_data_dir
 
 QUANTIZATIONS = ("int8", "int8_float16", "int8_float32", "float16", "bfloat16", "float32")
 
@@ -54,10 +55,8 @@ def load_fairseq(checkpoint: str, data: Path):
 def spec_of(model, task, saved):
     """CTranslate2's TransformerSpec holding ``model``'s weights."""
     from ctranslate2.converters import fairseq as ct2_fairseq
-    from omegaconf import OmegaConf
-    model_cfg = saved.model  # a Namespace for the legacy architectures, else a DictConfig
-    args = vars(model_cfg).copy() if isinstance(model_cfg, argparse.Namespace) else \
-        dict(OmegaConf.to_container(model_cfg) if OmegaConf.is_config(model_cfg) else model_cfg)
+    args = plain_config(saved.model)  # a Namespace for the legacy architectures, else a
+    # DictConfig
     args = argparse.Namespace(**{**args, "arch": args.get("arch") or args.get("_name")})
     try:
         spec = ct2_fairseq._get_model_spec(args)  # noqa: SLF001 - the converter's own check
@@ -65,7 +64,7 @@ def spec_of(model, task, saved):
         raise CheckpointError(f"CTranslate2 cannot hold this model: {e}") from None
     ct2_fairseq.set_transformer_encoder(spec.encoder, model.encoder)
     ct2_fairseq.set_transformer_decoder(spec.decoder, model.decoder)
-    vocab = ["<blank>" if t == "<pad>" else t for t in task.source_dictionary.symbols]
+    vocab = ct2_vocabulary(task.source_dictionary.symbols)
     spec.register_source_vocabulary(vocab)
     spec.register_target_vocabulary(vocab)
     spec.config.decoder_start_token = spec.config.eos_token  # fairseq's decoder starts with </s>
@@ -76,12 +75,11 @@ def spec_of(model, task, saved):
 def trained_data(checkpoint: str) -> str:
     """The data directory in a checkpoint's cfg (task.data)."""
     from ..checkpoint.safe_load import read_checkpoint_file
-    cfg = plain_config(read_checkpoint_file(checkpoint).get("cfg")) or {}
-    task = plain_config(cfg.get("task")) if isinstance(cfg, dict) else None
-    data = task.get("data") if isinstance(task, dict) else None
-    if not isinstance(data, str) or not data:
+    task = saved_task(read_checkpoint_file(checkpoint))
+    data = trained_data_dir(task) if task is not None else None
+    if not data:
         raise CheckpointError(f"{checkpoint} names no data directory: give --data")
-    return data.split(":")[0]
+    return data
 
 
 def export(checkpoint: str, out: str, data: str | None = None,
@@ -173,11 +171,8 @@ class CT2Translator:
         dictionary = Dictionary.load(str(self.test.dictionary))
         texts = []
         for lang in (d.src, d.tgt):
-            prefix = next(self.test.data / f"{self.test.split}.{a}-{b}.{lang}"
-                          for a, b in ((d.src, d.tgt), (d.tgt, d.src))
-                          if (self.test.data / f"{self.test.split}.{a}-{b}.{lang}.bin")
-                          .is_file())
-            dataset = data_utils.load_indexed_dataset(str(prefix), dictionary)
+            binarized = pair_file(self.test.data, self.test.split, d, lang, ".bin")
+            dataset = data_utils.load_indexed_dataset(str(binarized.with_suffix("")), dictionary)
             texts.append([self.sp.decode(dictionary.string(dataset[i]).split())
                           for i in range(len(dataset))])
         return texts[0], texts[1]

@@ -45,10 +45,9 @@ class TestSet:
 
     def raw_file(self, direction: Direction, lang: str) -> Path:
         """The raw text of ``lang`` for ``direction`` (the pair's file in either order)."""
-        for a, b in ((direction.src, direction.tgt), (direction.tgt, direction.src)):
-            path = self.raw / f"{self.split}.{a}-{b}.{lang}"
-            if path.is_file():
-                return path
+        path = pair_file(self.raw, self.split, direction, lang)
+        if path is not None:
+            return path
         raise OptionError(f"{self.raw} has no {self.split}.{direction.name}.{lang}")
 
     def raw_lines(self, direction: Direction, lang: str) -> list[str]:
@@ -67,9 +66,19 @@ def listed(path: Path) -> tuple[str, ...]:
     return tuple(x for x in path.read_text(encoding="utf-8").strip().split(",") if x)
 
 
+def pair_file(folder: Path, split: str, d: Direction, lang: str,
+              suffix: str = "") -> Optional[Path]:
+    """``folder``'s file of ``lang`` for direction ``d``: ``{split}.{src}-{tgt}.{lang}{suffix}``,
+    else the reverse pair's (one pair's files serve both directions), else None."""
+    for a, b in ((d.src, d.tgt), (d.tgt, d.src)):
+        path = folder / f"{split}.{a}-{b}.{lang}{suffix}"
+        if path.is_file():
+            return path
+    return None
+
+
 def _binarized(data: Path, split: str, d: Direction) -> bool:
-    return any((data / f"{split}.{a}-{b}.{d.src}.bin").is_file()
-               for a, b in ((d.src, d.tgt), (d.tgt, d.src)))
+    return pair_file(data, split, d, d.src, ".bin") is not None
 
 
 def _raw_present(raw: Path, split: str, d: Direction) -> bool:

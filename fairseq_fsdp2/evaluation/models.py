@@ -11,7 +11,6 @@ generation forces (as the recipe trained it).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..checkpoint import sharded
+from ..checkpoint.export import plain_config
 from ..checkpoint.safe_load import read_checkpoint_file
 from ..errors import CheckpointError
 from ..hf.nllb_weights import FAIRSEQ_EMBEDDING, HFWeights, is_hf_source
@@ -47,12 +47,18 @@ class ModelSource:
     lang_tok_style: str = "multilingual"
 
 
-def plain_config(value):
-    """A config as a plain dict: an argparse Namespace (legacy args) or an OmegaConf node."""
-    if isinstance(value, argparse.Namespace):
-        return vars(value)
-    from omegaconf import OmegaConf
-    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+def saved_task(state: dict) -> Optional[dict]:
+    """The task config a checkpoint's ``cfg`` holds, as a plain dict (None if it holds none)."""
+    cfg = plain_config(state.get("cfg"))
+    task = cfg.get("task") if isinstance(cfg, dict) else None
+    return task if isinstance(task, dict) else None
+
+
+def trained_data_dir(task: dict) -> Optional[str]:
+    """The first data directory the task trained on (fairseq's ``data`` is a list of
+    directories joined by os.pathsep), or None."""
+    data = task.get("data")
+    return data.split(os.pathsep)[0] if isinstance(data, str) and data else None
 
 
 def _rows_of_shards(path: str, info: dict) -> Optional[int]:
@@ -75,9 +81,8 @@ def _dictionary_size(dictionary: Path) -> int:
 
 def fairseq_checkpoint(path: Path, label: str, dictionary: Path) -> ModelSource:
     state = read_checkpoint_file(str(path))  # memory-mapped: no weight is read
-    cfg = plain_config(state.get("cfg"))
-    task = plain_config(cfg.get("task")) if isinstance(cfg, dict) else None
-    if not isinstance(task, dict):  # a legacy checkpoint keeps its args instead
+    task = saved_task(state)
+    if task is None:  # a legacy checkpoint keeps its args instead
         task = plain_config(state.get("args")) or {}
     name = task.get("_name") or task.get("task")
     if name is not None and name != NLLB_TASK:  # none named: NLLB's settings assumed
@@ -95,9 +100,9 @@ def fairseq_checkpoint(path: Path, label: str, dictionary: Path) -> ModelSource:
     if rows != entries:
         raise CheckpointError(f"{path} has {rows} embedding rows, {dictionary} {entries} "
                               f"entries: the model was trained with another dictionary")
-    trained = task.get("data")
-    if isinstance(trained, str) and trained:
-        theirs = Path(trained.split(os.pathsep)[0]) / "dict.txt"
+    trained = trained_data_dir(task)
+    if trained:
+        theirs = Path(trained) / "dict.txt"
         if theirs.is_file() and theirs.resolve() != dictionary.resolve() and \
                 theirs.read_bytes() != dictionary.read_bytes():
             raise CheckpointError(f"{path} was trained with {theirs}, which differs from "
@@ -122,6 +127,12 @@ def need_ctranslate2() -> None:
                               "(scripts/setup.sh installs requirements.txt)") from None
 
 
+def ct2_vocabulary(symbols) -> list[str]:
+    """A fairseq dictionary's symbols as CTranslate2's vocabulary names them (its padding token
+    is ``<blank>``)."""
+    return ["<blank>" if t == "<pad>" else t for t in symbols]
+
+
 def ct2_source(path: Path, label: str, dictionary: Path) -> ModelSource:
     """A CTranslate2 directory written by ``export``, checked against DATA's dictionary."""
     need_ctranslate2()
@@ -131,7 +142,7 @@ def ct2_source(path: Path, label: str, dictionary: Path) -> ModelSource:
                               f"{CT2_SPM}: export it with python -m fairseq_fsdp2.consolidate "
                               f"--format ctranslate2")
     from fairseq.data import Dictionary
-    ours = ["<blank>" if t == "<pad>" else t for t in Dictionary.load(str(dictionary)).symbols]
+    ours = ct2_vocabulary(Dictionary.load(str(dictionary)).symbols)
     vocab_file = next((path / f for f in ("shared_vocabulary.json", "source_vocabulary.json")
                        if (path / f).is_file()), None)
     theirs = json.loads(vocab_file.read_text(encoding="utf-8")) if vocab_file else None

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -125,6 +126,23 @@ def train_args_for(corpus: Path, save_dir: Path, *extra, save=False, updates=10,
     if not save:
         args.append("--no-save")
     return args + [str(a) for a in extra]
+
+
+def nllb_tiny_train_args(data: Path, save_dir: Path, *extra,
+                         lang_pairs: Optional[str] = None) -> list[str]:
+    """fairseq-train arguments for the plugin's tiny NLLB (transformer_nllb_tiny) on one rank,
+    on data prepared by scripts/prepare_data.sh, as the recipe trains it (NLLB's task, language
+    tags); ``lang_pairs``: its --lang-pairs, else DATA/lang_pairs.txt's."""
+    return [str(a) for a in [
+        data, "--user-dir", PLUGIN, "--ddp-backend", "fsdp2", "--min-params-to-wrap", 1,
+        "--task", "translation_multi_simple_epoch", "--arch", "transformer_nllb_tiny",
+        "--lang-pairs", lang_pairs or (data / "lang_pairs.txt").read_text().strip(),
+        "--langs", (data / "langs.txt").read_text().strip(),
+        "--encoder-langtok", "src", "--decoder-langtok", "--optimizer", "adam",
+        "--lr", "3e-3", "--criterion", "label_smoothed_cross_entropy",
+        "--label-smoothing", "0.1", "--max-tokens", 2000, "--seed", 1, "--cpu",
+        "--num-workers", 0, "--disable-validation", "--no-epoch-checkpoints",
+        "--no-progress-bar", "--save-dir", save_dir, *extra]]
 
 
 @pytest.fixture

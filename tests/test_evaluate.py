@@ -20,7 +20,7 @@ import sacrebleu.utils
 from sacrebleu.metrics import BLEU, CHRF
 from sacrebleu.tokenizers import tokenizer_spm
 
-from conftest import PLUGIN
+from conftest import nllb_tiny_train_args
 from launcher import ok, run_command, run_ranks
 
 from fairseq_fsdp2 import evaluate
@@ -39,7 +39,7 @@ def run(tmp_path_factory):
     numbers.write_corpus(root / "raw", PAIRS, n_train=300, n_valid=10, n_test=N_TEST, seed=2)
     data = prepare(root / "raw", root / "data", vocab_size=120, log=lambda *a: None)
     save = root / "ckpt"
-    args = train_args(data, save, "--max-update", 20, "--save-interval-updates", 10)
+    args = nllb_tiny_train_args(data, save, "--max-update", 20, "--save-interval-updates", 10)
     ok(run_ranks(1, lambda rank: args))
     return root, data, save
 
@@ -261,18 +261,6 @@ def test_bad_input_is_one_line_and_exit_2_before_any_generation(run, ct2_float32
 
 # -- CTranslate2 export (consolidate --format ctranslate2) -----------------------------------------
 
-def train_args(data, save, *extra) -> list[str]:
-    return [str(a) for a in [
-        data, "--user-dir", PLUGIN, "--ddp-backend", "fsdp2", "--min-params-to-wrap", 1,
-        "--task", "translation_multi_simple_epoch", "--arch", "transformer_nllb_tiny",
-        "--lang-pairs", (data / "lang_pairs.txt").read_text().strip(),
-        "--langs", (data / "langs.txt").read_text().strip(),
-        "--encoder-langtok", "src", "--decoder-langtok", "--optimizer", "adam",
-        "--lr", "3e-3", "--criterion", "label_smoothed_cross_entropy",
-        "--label-smoothing", "0.1", "--max-tokens", 2000, "--seed", 1, "--cpu",
-        "--num-workers", 0, "--disable-validation", "--no-epoch-checkpoints",
-        "--no-progress-bar", "--save-dir", save, *extra]]
-
 @pytest.fixture(scope="module")
 def ct2_float32(run):
     from fairseq_fsdp2 import consolidate
@@ -365,7 +353,7 @@ def test_a_lora_checkpoint_exports_and_greedy_decodes_as_its_merged_export(run, 
     from fairseq_fsdp2 import consolidate
     root, data, save = run
     lora = tmp_path / "lora"
-    ok(run_ranks(1, lambda rank: train_args(
+    ok(run_ranks(1, lambda rank: nllb_tiny_train_args(
         data, lora, "--finetune-from-model", save / "checkpoint_last_consolidated.pt",
         "--lora-rank", 4, "--lora-alpha", 8, "--max-update", 4)))
     out = tmp_path / "ct2"
@@ -389,7 +377,7 @@ def test_a_checkpoint_with_an_added_language_exports_and_translates_it(run, tmp_
     grown = prepare(tmp_path / "raw", tmp_path / "data", spm_model=data / "spm.model",
                     dictionary=data / "dict.txt", add_langs="lat_Latn", log=lambda *a: None)
     ckpt = tmp_path / "ckpt"
-    ok(run_ranks(1, lambda rank: train_args(
+    ok(run_ranks(1, lambda rank: nllb_tiny_train_args(
         grown, ckpt, "--finetune-from-model", save / "checkpoint_last_consolidated.pt",
         "--init-new-langs-from", "lat_Latn=fra_Latn", "--max-update", 4)))
     out = tmp_path / "ct2"

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from conftest import PLUGIN
+from conftest import nllb_tiny_train_args
 from launcher import ok, run_command, run_ranks
 
 from fairseq_fsdp2.data import numbers
@@ -30,16 +30,9 @@ def run(tmp_path_factory):
     numbers.write_corpus(root / "raw", PAIRS, n_train=300, n_valid=10, n_test=N_TEST, seed=2)
     data = prepare(root / "raw", root / "data", vocab_size=120, log=lambda *a: None)
     save = root / "ckpt"
-    args = [data, "--user-dir", PLUGIN, "--ddp-backend", "fsdp2", "--min-params-to-wrap", 1,
-            "--task", "translation_multi_simple_epoch", "--arch", "transformer_nllb_tiny",
-            "--lang-pairs", ",".join(f"{s}-{t}" for s, t in PAIRS),
-            "--langs", (data / "langs.txt").read_text().strip(),
-            "--encoder-langtok", "src", "--decoder-langtok", "--optimizer", "adam", "--lr",
-            "3e-3", "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-            "--max-tokens", 2000, "--max-update", 40, "--seed", 1, "--cpu", "--num-workers", 0,
-            "--disable-validation", "--no-epoch-checkpoints", "--no-progress-bar",
-            "--save-dir", save]
-    ok(run_ranks(1, lambda rank: [str(a) for a in args]))
+    args = nllb_tiny_train_args(data, save, "--max-update", 40,
+                                lang_pairs=",".join(f"{s}-{t}" for s, t in PAIRS))
+    ok(run_ranks(1, lambda rank: args))
     return root, data, save
 
 

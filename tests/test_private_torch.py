@@ -36,6 +36,7 @@ import ast
 import enum
 import importlib
 import inspect
+import pkgutil
 import re
 from datetime import timedelta
 from pathlib import Path
@@ -212,18 +213,9 @@ def private_uses(top: Path) -> dict[str, set[str]]:
 
 # -- the probes --------------------------------------------------------------------------------
 
-def resolve(dotted: str):
-    """The object at a dotted path: the longest importable module, then attributes."""
-    parts = dotted.split(".")
-    for i in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
-            continue
-        for part in parts[i:]:
-            obj = getattr(obj, part)
-        return obj
-    raise ImportError(dotted)
+#: the object at a dotted path: its modules imported, then attributes (ImportError where the
+#: first module is missing, AttributeError where a later name is)
+resolve = pkgutil.resolve_name
 
 
 def resolve_member(dotted: str):

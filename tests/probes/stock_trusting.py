@@ -16,9 +16,9 @@ torch.save/torch.load with the objects it made of it (OmegaConf's config, its ow
 ``--load-checkpoint-on-all-dp-ranks`` (stock fairseq's option, the same state on every rank)
 has each rank read the trusted file itself instead.
 """
-import importlib
 import os
 import pickle
+import pkgutil
 import re
 import runpy
 import sys
@@ -26,18 +26,8 @@ import sys
 import torch
 
 
-def resolve(name: str):
-    """The object a pickled global ``module.qualname`` names."""
-    parts = name.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for attr in parts[cut:]:
-            obj = getattr(obj, attr)
-        return obj
-    raise ImportError(f"cannot resolve {name}")
+#: the object a pickled global ``module.qualname`` names
+resolve = pkgutil.resolve_name
 
 
 def allow_globals_of(path: str, attempts: int = 50) -> list[str]:

@@ -172,6 +172,7 @@ class TrainerCheckpoints:
             check_shared(self.cfg.checkpoint.save_dir)  # before anything is read or written
         if hf_nllb.is_hf_source(filename):  # --finetune-from-model of Hugging Face weights
             return self._load_pretrained(filename)
+        restores_iterator = resume.restores_iterator(self.cfg.checkpoint, filename)
         filename = self._newest_complete(filename)
         if not os.path.isfile(filename) and \
                 self.cfg.checkpoint.restore_file != sharded.DEFAULT_RESTORE_FILE:
@@ -237,7 +238,7 @@ class TrainerCheckpoints:
         finally:
             self._loading_from = None
         self._weights_loaded = self._weights_loaded or os.path.isfile(filename)
-        if info is not None and extra_state is not None:
+        if info is not None and extra_state is not None and restores_iterator:
             resume.rescale_iterator_position(extra_state, info["world_size"],
                                              self.data_parallel_world_size)
         if extra_state is not None and not (reset_optimizer or reset_meters):

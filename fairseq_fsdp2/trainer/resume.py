@@ -103,6 +103,14 @@ def restore_patience(extra_state: dict) -> None:
             function.best, function.num_runs = saved["best"], saved["num_runs"]
 
 
+def restores_iterator(checkpoint_cfg, filename: str) -> bool:
+    """Whether fairseq's checkpoint_utils.load_checkpoint will restore the data loader's position
+    from ``filename``'s extra state: not with --reset-dataloader, nor when the file is the
+    --finetune-from-model it starts from (fairseq resets the data loader there)."""
+    return not (checkpoint_cfg.reset_dataloader
+                or filename == checkpoint_cfg.finetune_from_model)
+
+
 def rescale_iterator_position(extra_state: dict, saved_world: int, now: int) -> None:
     """The saved position counts batches per rank; keep the same global position."""
     itr = extra_state.get("train_iterator") or {}

@@ -2,8 +2,9 @@
 
 Every rank of every test run is still a real, separate process that runs ``python -m MODULE``'s
 code (``runpy.run_module`` as ``__main__``, the plugin loaded by ``--user-dir`` in the child,
-exactly as on the command line) and ends through the interpreter's normal exit (atexit handlers,
-finalizers) or its own ``os._exit``. What is shared is only the ~5 s of importing torch and
+exactly as on the command line) and ends through the observable steps of the interpreter's exit
+(threads joined, atexit handlers, streams flushed: end_as_the_interpreter_does) or its own
+``os._exit``. What is shared is only the ~5 s of importing torch and
 fairseq, which otherwise dominates each 2-rank run of the suite on 2 cores.
 
 Protocol (one JSON object per line): stdin gets ``{"id", "module", "args", "env", "cwd",
@@ -99,8 +100,50 @@ def run_child(request: dict, fds: Optional[list[int]] = None) -> None:
         if path:
             sys.path.insert(0, path)
     sys.argv = [request["module"], *request["args"]]
-    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
-    sys.exit(0)  # as `python -m` does when the module returns; an exception exits 1
+    try:
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        code = 0  # as `python -m` does when the module returns
+    except SystemExit as stop:
+        code = exit_status(stop)
+    except BaseException:  # as the interpreter does with an exception that leaves the module
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    end_as_the_interpreter_does(code)
+
+
+def exit_status(stop: SystemExit) -> int:
+    """The status ``python`` exits with for ``stop``: its code, 0 for None, 1 for anything else
+    (printed to stderr first, as the interpreter prints ``sys.exit("message")``)."""
+    if stop.code is None:
+        return 0
+    if isinstance(stop.code, int):
+        return stop.code & 0xFF
+    print(stop.code, file=sys.stderr)
+    return 1
+
+
+def end_as_the_interpreter_does(code: int) -> None:
+    """The steps of the interpreter's exit that a program can observe, in its order (CPython's
+    Py_FinalizeEx): wait for the non-daemon threads and run threading's exit hooks
+    (concurrent.futures' pools), run the atexit handlers (logging's shutdown, weakref.finalize
+    objects, the program's own), flush stdout and stderr; then end the process with ``code``.
+    What it leaves out is the teardown of every module and object the fork server imported
+    (torch, fairseq): 0.3 CPU-s of a forked rank's ~1.0, in each of the suite's ~500 forked
+    processes, most of it copy-on-write page faults over the server's memory. A program whose
+    correctness depended on that teardown (data left in a buffered file it never closed, a
+    ``__del__`` with an effect outside the process) is already wrong: CPython does not promise
+    to run either at exit. The tests that run real ``python -m`` processes
+    (``fresh_interpreter=True``) keep the whole exit."""
+    import atexit
+    import threading
+    threading._shutdown()  # private: the interpreter's own first exit step; no public twin
+    atexit._run_exitfuncs()  # private name, public behaviour: the handlers ``atexit`` documents
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken, as the interpreter ignores it
+            pass
+    os._exit(code)
 
 
 def fork(request: dict, fds: Optional[list[int]] = None, close: Sequence = ()) -> int:

@@ -307,6 +307,7 @@ def test_layerdrop_every_rank_skips_the_same_layers_and_gathers_none_of_them(lay
             assert a[key] == b[key], (n, key, a, b)  # the ranks' collectives pair up
         assert a["ran"] == {layer: 2 for layer in sorted(kept)}, (n, a)  # both micro-batches
         assert not skipped & set(a["gathered"]) and not skipped & set(a["reduced"]), (n, a)
+        assert kept <= set(a["gathered"]), (n, a)  # the probe sees the units it reports on
         assert skipped <= set(a["no_grad"]), (n, a)
     assert skipped_any and kept_any  # the seed's draws exercise both cases
 

@@ -23,7 +23,10 @@ from conftest import PLUGIN, REPO, TINY_MODEL, TRAINING, stock_ddp
 from launcher import finish_ranks, ok, run_ranks, start_ranks
 from numerics import FP32_REORDERED, printed_close
 
-FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", "--num-workers", "0"]
+#: --num-workers 0 (both backends): the batches are read in the rank's own process, in the same
+#: order as by fairseq's default data-loader worker, which costs a process per rank and epoch
+NO_WORKER = ["--num-workers", "0"]
+FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", *NO_WORKER]
 PROBES = str(REPO / "tests" / "probes")
 REL = FP32_REORDERED  # fsdp2 vs legacy_ddp, or another world size (test_fairseq_compat.py)
 
@@ -122,7 +125,7 @@ class Scenario:
         save = self.save_dir(label)
 
         def argv(rank):
-            chosen = stock_ddp(rank, ranks) if backend == "stock" else FSDP2
+            chosen = [*stock_ddp(rank, ranks), *NO_WORKER] if backend == "stock" else FSDP2
             own = flags_without([str(a) for a in self.args(save)], *without)
             if not plugin:
                 own = flags_without(own, "--user-dir")

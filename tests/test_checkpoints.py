@@ -16,7 +16,10 @@ from numerics import (FP32_REORDERED, assert_runs_close, clipped_norms, per_upda
                       printed_close, printed_half_unit, sgd_reordered_bound)
 from scenarios import shard_tensors
 
-FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1"]
+#: --num-workers 0: the batches are read in the rank's own process, in the same order as by
+#: fairseq's default data-loader worker, which costs a process per rank and epoch (0.1 CPU-s)
+NO_WORKER = ["--num-workers", "0"]
+FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", *NO_WORKER]
 # no dropout: fairseq seeds dropout per update (same on every rank), so masks depend on how
 # an update is split over ranks and micro-batches; without it every world size is one model
 EXACT = ["--dropout", "0", "--max-tokens", "200", "--save-interval-updates", "2"]
@@ -38,14 +41,49 @@ def saved_run(corpus, tmp_path_factory):
     return root, args, out
 
 
+def kill_in_save(args, save_dir, *extra) -> tuple:
+    """The saved run's command (``extra`` added) killed on every rank inside its second save
+    (update 4's, tests/probes/kill_in_save.py), then the same command again: (the killed
+    ranks' results; what the kill left: the uncommitted shard directories, the .pt files and
+    checkpoint_last.pt's contents; the rerun's rank 0 output)."""
+    env = {"PYTHONPATH": str(REPO / "tests" / "probes"), "KILL_AT_SAVE": "2"}
+    killed = run_ranks(2, lambda r: args(save_dir, "--update-freq", 2, *extra),
+                       module="kill_in_save", env=env)
+    assert all(r.returncode != 0 for r in killed), killed[0].output[-3000:]
+    # the leftovers of the killed save, read before the rerun cleans them up
+    leftovers = [d for d in os.listdir(save_dir / "fsdp2_shards") if d.endswith(".tmp")]
+    files = sorted(p.name for p in save_dir.glob("*.pt"))
+    last = torch.load(save_dir / "checkpoint_last.pt", weights_only=True)
+    rerun = ok(run_ranks(2, lambda r: args(save_dir, "--update-freq", 2, *extra)))
+    return killed, leftovers, files, last, rerun
+
+
+@pytest.fixture(scope="module")
+def killed_in_save(saved_run, tmp_path_factory):
+    """The saved run killed inside its update-4 save, and rerun: it resumes from update 2."""
+    _, args, _ = saved_run
+    save_dir = tmp_path_factory.mktemp("killed-sync")
+    return save_dir, *kill_in_save(args, save_dir)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world, update_freq", [(2, 2), (1, 4), (4, 1)])
-def test_resume_from_update_2_matches_uninterrupted(saved_run, world, update_freq):
-    """Every resumed update (3..10) has the uninterrupted run's loss and gradient norm."""
+def test_resume_from_update_2_matches_uninterrupted(saved_run, world, update_freq, request):
+    """Every resumed update (3..10) has the uninterrupted run's loss and gradient norm. At 2
+    ranks the resumed run is the rerun of the run killed inside its update-4 save
+    (test_kill_during_save_leaves_previous_checkpoint_loadable): the uninterrupted run's command
+    line, resumed from update 2's checkpoint (checkpoint_last.pt, a copy of
+    checkpoint_1_2.pt); at 1 and 4 ranks, --restore-file checkpoint_1_2.pt."""
     root, args, full = saved_run
-    save_dir = root / f"resume{world}"
-    out = ok(run_ranks(world, lambda r: args(save_dir, "--update-freq", update_freq,
-                                             "--restore-file", root / "run" / "checkpoint_1_2.pt")))
+    if world == 2:
+        out = request.getfixturevalue("killed_in_save")[-1]
+        assert "Loaded checkpoint" in out and train_inner(out)[0]["num_updates"] == "3"
+    else:
+        save_dir = root / f"resume{world}"
+        out = ok(run_ranks(world, lambda r: args(save_dir, "--update-freq", update_freq,
+                                                 "--restore-file",
+                                                 root / "run" / "checkpoint_1_2.pt",
+                                                 "--no-save")))  # what it trains is compared
     got, want = per_update(out), per_update(full)
     assert sorted(got) == list(range(3, 11)) and sorted(want) == list(range(1, 11))
     for n in got:
@@ -154,7 +192,8 @@ def test_consolidated_export_equals_stock_ddp_and_stock_generate_reads_it(saved_
     run, ddp_dir = tmp_path / "sgd", tmp_path / "ddp"
     ok(run_ranks(2, lambda r: args(run, "--update-freq", 2, *SGD)))
     ddp = ok(run_ranks(2, lambda r: args(ddp_dir, "--update-freq", 2, *SGD,
-                                         backend=stock_ddp(r, 2), plugin=False)))
+                                         backend=[*stock_ddp(r, 2), *NO_WORKER],
+                                         plugin=False)))
     ours = run / "checkpoint_last_consolidated.pt"
     assert ours.exists()  # written at the end of training
     a = torch.load(ours, weights_only=True)["model"]
@@ -247,19 +286,11 @@ def test_missing_shard_of_another_rank_is_refused_with_one_line(saved_run, tmp_p
 
 
 @pytest.mark.slow
-def test_kill_during_save_leaves_previous_checkpoint_loadable(saved_run, corpus, tmp_path):
-    root, args, _ = saved_run
-    save_dir = tmp_path / "killed"
-    env = {"PYTHONPATH": str(REPO / "tests" / "probes"), "KILL_AT_SAVE": "2"}
-    results = run_ranks(2, lambda r: args(save_dir, "--update-freq", 2), module="kill_in_save",
-                        env=env)
-    assert all(r.returncode != 0 for r in results)
-    leftovers = [d for d in os.listdir(save_dir / "fsdp2_shards") if d.endswith(".tmp")]
+def test_kill_during_save_leaves_previous_checkpoint_loadable(saved_run, killed_in_save):
+    save_dir, _, leftovers, _, last, out = killed_in_save
     assert leftovers  # the killed save's uncommitted shards
-    last = torch.load(save_dir / "checkpoint_last.pt", weights_only=True)
     assert last["optimizer_history"][-1]["num_updates"] == 2
     # the same command again resumes from the intact update-2 checkpoint and cleans up
-    out = ok(run_ranks(2, lambda r: args(save_dir, "--update-freq", 2)))
     assert "Loaded checkpoint" in out and train_inner(out)[0]["num_updates"] == "3"
     assert not [d for d in os.listdir(save_dir / "fsdp2_shards") if d.endswith(".tmp")]
     # the same ranks and batches resume bit for bit: every resumed update prints the same
@@ -270,20 +301,43 @@ def test_kill_during_save_leaves_previous_checkpoint_loadable(saved_run, corpus,
 ASYNC = "--write-checkpoints-asynchronously"
 
 
-def test_asynchronous_saves_train_and_resume_as_synchronous_ones(saved_run, tmp_path):
+@pytest.fixture(scope="module")
+def killed_in_background_write(saved_run, tmp_path_factory):
+    """The saved run with --write-checkpoints-asynchronously, every rank killed while its
+    update-4 shards are written in the background, then the same command again: it resumes
+    from update 2's shards (written in the background) and finishes, writing its saves in
+    the background too."""
+    _, args, _ = saved_run
+    save_dir = tmp_path_factory.mktemp("killed-async")
+    return save_dir, *kill_in_save(args, save_dir, ASYNC)
+
+
+def test_asynchronous_saves_train_and_resume_as_synchronous_ones(saved_run,
+                                                                 killed_in_background_write,
+                                                                 tmp_path):
     """With --write-checkpoints-asynchronously the shards are written in the background while
     training goes on: the run makes the same updates, keeps the same files, its shards hold the
     save point's state bit for bit (not a later one), and a run resumed from them (also
-    asynchronous) makes the uninterrupted run's updates, bit for bit."""
-    root, args, full = saved_run
-    save_dir = tmp_path / "async"
-    out = ok(run_ranks(2, lambda r: args(save_dir, "--update-freq", 2, ASYNC)))
-    assert per_update(out) == per_update(full)
-    assert "in the background" in out
+    asynchronous) makes the uninterrupted run's updates, bit for bit. The asynchronous run is
+    the one of test_kill_during_a_background_write_leaves_the_previous_checkpoint_usable: its
+    first attempt made updates 1-5 (and saved update 2 in the background) before the kill; the
+    rerun resumed from update 2's shards and made updates 3-10, saving 4, 6, 8, 10 and
+    checkpoint_last.pt in the background."""
+    root, _, full = saved_run
+    save_dir, killed, _, _, _, resumed = killed_in_background_write
+    want = per_update(full)
+    # rank 0 logs each update before its save point: 1-4 before the kill, which came once the
+    # main thread had finished update 5 (logged or not yet)
+    before_kill = per_update(killed[0].output)
+    assert sorted(before_kill) in (list(range(1, 5)), list(range(1, 6))), sorted(before_kill)
+    assert all(before_kill[n] == want[n] for n in before_kill), (before_kill, want)
+    got = per_update(resumed)
+    assert sorted(got) == list(range(3, 11)) and all(got[n] == want[n] for n in got), (got, want)
+    assert "in the background" in resumed
     names = {p.name for p in save_dir.glob("*.pt")}
     assert names == {p.name for p in (root / "run").glob("*.pt")}, names
     assert not [d for d in os.listdir(save_dir / "fsdp2_shards") if d.endswith(".tmp")]
-    for name in ("checkpoint_1_4.pt", "checkpoint_last.pt"):
+    for name in ("checkpoint_1_4.pt", "checkpoint_last.pt"):  # the rerun's background saves
         got = shard_tensors(save_dir / name, tmp_path / "got.pt")
         want = shard_tensors(root / "run" / name, tmp_path / "want.pt")
         assert sorted(got) == sorted(want) and any(k.startswith("optim.") for k in got), name
@@ -291,32 +345,20 @@ def test_asynchronous_saves_train_and_resume_as_synchronous_ones(saved_run, tmp_
             assert torch.equal(got[key], want[key]), (name, key)
     state = torch.load(save_dir / "checkpoint_1_4.pt", weights_only=True)
     assert state["cfg"]["checkpoint"]["write_checkpoints_asynchronously"]  # as asked
-    resumed = ok(run_ranks(2, lambda r: args(tmp_path / "resumed", "--update-freq", 2, ASYNC,
-                                             "--restore-file", save_dir / "checkpoint_1_4.pt")))
-    got, want = per_update(resumed), per_update(full)
-    assert sorted(got) == list(range(5, 11)) and all(got[n] == want[n] for n in got), (got, want)
 
 
-def test_kill_during_a_background_write_leaves_the_previous_checkpoint_usable(saved_run,
-                                                                             tmp_path):
+def test_kill_during_a_background_write_leaves_the_previous_checkpoint_usable(
+        saved_run, killed_in_background_write):
     """Every rank is killed while its update-4 shards are written in the background, after
     training went on to update 5: checkpoint_last.pt and the files still name update 2's
     complete shards, and the same command resumes from update 2 exactly."""
-    root, args, _ = saved_run
-    save_dir = tmp_path / "killed"
-    env = {"PYTHONPATH": str(REPO / "tests" / "probes"), "KILL_AT_SAVE": "2"}
-    results = run_ranks(2, lambda r: args(save_dir, "--update-freq", 2, ASYNC),
-                        module="kill_in_save", env=env)
-    assert all(r.returncode != 0 for r in results)
+    save_dir, results, leftovers, files, last, out = killed_in_background_write
     # the probe's line: the main thread had finished update 5 (trained on meanwhile)
     assert "KILLED_IN_BACKGROUND_SAVE after update 5" in results[0].output, \
         results[0].output[-3000:]
-    assert sorted(p.name for p in save_dir.glob("*.pt")) == ["checkpoint_1_2.pt",
-                                                             "checkpoint_last.pt"]
-    assert [d for d in os.listdir(save_dir / "fsdp2_shards") if d.endswith(".tmp")]
-    last = torch.load(save_dir / "checkpoint_last.pt", weights_only=True)
+    assert files == ["checkpoint_1_2.pt", "checkpoint_last.pt"], files
+    assert leftovers
     assert last["optimizer_history"][-1]["num_updates"] == 2
-    out = ok(run_ranks(2, lambda r: args(save_dir, "--update-freq", 2, ASYNC)))
     assert "Loaded checkpoint" in out and train_inner(out)[0]["num_updates"] == "3"
     assert not [d for d in os.listdir(save_dir / "fsdp2_shards") if d.endswith(".tmp")]
     got, want = per_update(out), per_update(saved_run[2])
@@ -345,11 +387,14 @@ def test_pretrained_stock_checkpoint_loads_without_full_copies_on_every_rank(cor
            "--decoder-embed-dim", "512", "--encoder-ffn-embed-dim", "2048",
            "--decoder-ffn-embed-dim", "2048"]
     # what is measured is the load, not the update: ~100 tokens a batch (not TRAINING's 500)
-    # keep the model's one update per run cheap (the 4+4 layers of 512 are for the model's size)
-    batch = ["--max-tokens", "100"]
+    # keep the model's one update per run cheap (the 4+4 layers of 512 are for the model's size).
+    # No dropout: stock's reference below makes the 2 ranks' update on 1 process (its masks
+    # would depend on that split)
+    batch = ["--max-tokens", "100", "--dropout", "0"]
     stock_dir = tmp_path / "stock"
     # a stock checkpoint, written by fairseq itself (one process, no plugin)
-    proc = run_command("fairseq_cli.train", corpus, *big, *TRAINING, *batch, "--max-update", "1",
+    proc = run_command("fairseq_cli.train", corpus, *big, *TRAINING, *batch, *NO_WORKER,
+                       "--max-update", "1",
                        "--save-dir", stock_dir, "--no-save-optimizer-state",
                        "--no-epoch-checkpoints",
                        timeout=900)  # a hang guard: seconds when idle, minutes when loaded
@@ -383,15 +428,17 @@ def test_pretrained_stock_checkpoint_loads_without_full_copies_on_every_rank(cor
     load_peak0 = float(pairs[0][1])
     assert max(build_peak) < load_peak0 - model_gb, (build_peak, load_peak0, model_gb)
     # and the loaded model is the pretrained one, sinusoidal tables included: the same
-    # losses as stock fairseq's own 2-rank fine-tune from the same file (no plugin; torch's
-    # allow-list for the file stock fairseq wrote: tests/probes/stock_trusting.py)
-    stock = ok(run_ranks(2, lambda r: [str(corpus), *big, *TRAINING, *batch, *stock_ddp(r, 2),
-                                       "--finetune-from-model", str(pretrained),
-                                       "--max-update", "1", "--no-save",
-                                       "--save-dir", str(tmp_path / "stock-ft")],
-                         module="stock_trusting",
-                         env={"PYTHONPATH": str(REPO / "tests" / "probes"),
-                              "TRUSTED_CHECKPOINTS": str(pretrained)}))
+    # losses as stock fairseq's own fine-tune from the same file (no plugin; torch's allow-list
+    # for the file stock fairseq wrote: tests/probes/stock_trusting.py), on one process with
+    # --update-freq 2: the 2 ranks' batches of the update as its two micro-batches, the same
+    # terms summed in another order
+    stock = run_command("stock_trusting", corpus, *big, *TRAINING, *batch, *NO_WORKER,
+                        "--update-freq", "2", "--finetune-from-model", pretrained,
+                        "--max-update", "1", "--no-save", "--save-dir", tmp_path / "stock-ft",
+                        env={"PYTHONPATH": str(REPO / "tests" / "probes"),
+                             "TRUSTED_CHECKPOINTS": str(pretrained)})
+    assert stock.returncode == 0, stock.output[-4000:]
+    stock = stock.output
     # the first update's loss is the loaded weights' loss (and its gnorm their gradient's)
     assert_runs_close(out, stock, FP32_REORDERED, 1)  # float32, sums in another order
 

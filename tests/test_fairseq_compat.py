@@ -241,7 +241,7 @@ def test_multilingual_resumed_mid_virtual_epoch(multilingual, ranks):
     uninterrupted = updates(multilingual.fsdp2)
     path, start = mid_virtual_epoch(multilingual.save_dir("fsdp2"))
     out = multilingual.run(f"resumed{ranks}", "--restore-file", path,
-                           "--update-freq", 3 - ranks, ranks=ranks, backend="fsdp2")
+                           "--update-freq", 3 - ranks, "--no-save", ranks=ranks, backend="fsdp2")
     made = updates(out)
     assert sorted(made) == list(range(start + 1, 11))
     if ranks == 2:
@@ -280,7 +280,8 @@ def layerdrop(corpus, tmp_path_factory):
                     reports.setdefault(report["rank"], {})[report["update"]] = report
         return results[0].output, reports
     full = run("full")
-    return full, run("resumed", "--restore-file", root / "full" / "checkpoint_1_3.pt")
+    return full, run("resumed", "--restore-file", root / "full" / "checkpoint_1_3.pt",
+                     "--no-save")
 
 
 def test_layerdrop_every_rank_skips_the_same_layers_and_gathers_none_of_them(layerdrop):
@@ -307,6 +308,7 @@ def test_layerdrop_every_rank_skips_the_same_layers_and_gathers_none_of_them(lay
             assert a[key] == b[key], (n, key, a, b)  # the ranks' collectives pair up
         assert a["ran"] == {layer: 2 for layer in sorted(kept)}, (n, a)  # both micro-batches
         assert not skipped & set(a["gathered"]) and not skipped & set(a["reduced"]), (n, a)
+        assert kept <= set(a["gathered"]), (n, a)  # the probe sees the units it reports on
         assert skipped <= set(a["no_grad"]), (n, a)
     assert skipped_any and kept_any  # the seed's draws exercise both cases
 

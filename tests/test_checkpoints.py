@@ -108,6 +108,22 @@ def test_resume_from_update_2_matches_uninterrupted(saved_run, world, update_fre
                          2.0 ** (FP32_REORDERED * nll) - 1, "ppl")
 
 
+def test_finetune_from_a_mid_epoch_checkpoint_at_another_world_size_starts_afresh(saved_run):
+    """--finetune-from-model of update 2's checkpoint (2 ranks x update-freq 2: 8 batches into
+    its epoch) at 3 ranks, where 8 batches cannot be split: fairseq resets the data loader when
+    it starts from --finetune-from-model, so the run starts at epoch 1, update 1, where a resume
+    from such a file is refused (the position could not be kept: test_bad_input's case)."""
+    root, args, _ = saved_run
+    start = root / "run" / "checkpoint_1_2.pt"
+    saved = torch.load(start, weights_only=True)["extra_state"]["train_iterator"]
+    assert saved["iterations_in_epoch"] * 2 % 3, saved  # the case: no whole position at 3 ranks
+    out = ok(run_ranks(3, lambda r: args(root / "finetune3", "--finetune-from-model", start,
+                                         "--max-update", "1", "--no-save")))
+    assert "dataloader will be reset" in out, out[-3000:]
+    first = train_inner(out)[0]
+    assert (first["epoch"], first["num_updates"]) == (1, "1"), first
+
+
 @pytest.mark.slow
 def test_fp16_resume_is_exact_loss_scale_included(corpus, tmp_path):
     """--fp16 (fairseq's loss-scaling wrapper around the optimizer): resumed from update 3's

@@ -110,3 +110,65 @@ def test_update_freq_2_is_refused_before_training(corpus, tmp_path):
         "fairseq_fsdp2: error: --fsdp2-step-in-backward needs --update-freq 1, got 2: the "
         "gradients of several micro-batches are summed before the step"], result.output[-3000:]
     assert "begin training" not in result.output and not (tmp_path / "ckpt").exists()
+
+
+#: the options the step in backward's rule reads, each alone against a run it accepts (fp32,
+#: Adam, --clip-norm 0, --update-freq 1): (label, flags, what the rule says: None, or the start
+#: of its reason)
+RULE_CASES = [
+    ("accepted", [], None),
+    ("bf16 with every accepted moment format", ["--bf16", "--eight-bit-adam-stats"], None),
+    ("bf16 weights", ["--memory-efficient-bf16", "--bf16-adam-stats"], None),
+    ("fp16 moments", ["--fp16", "--fp16-adam-stats"], "cannot step --fp16-adam-stats'"),
+    ("clipping", ["--clip-norm", "1"], "needs --clip-norm 0, got 1:"),
+    ("micro-batches", ["--update-freq", "2"], "needs --update-freq 1, got 2:"),
+    ("fp16", ["--fp16"], "cannot be combined with --fp16:"),
+    ("memory-efficient fp16", ["--memory-efficient-fp16"], "cannot be combined with --fp16:"),
+    ("cpu offload", ["--cpu-offload"], "cannot be combined with --cpu-offload:"),
+]
+
+
+def test_the_run_the_check_and_the_estimator_decide_with_one_function(monkeypatch):
+    """settings.step_in_backward_conflict decides for the trainer (optimizer/build.py's
+    steps_in_backward), the check before training (its one line) and the estimator (its
+    Setup, or the same line as its error): over each option the rule reads, all three agree
+    with the rule's documented answer; with the function replaced, all three follow the
+    replacement (a copy of the rule anywhere would keep its own answer). In-process: fairseq's
+    parser and config, no model."""
+    from test_settings import runtime_config  # fairseq-train's config, converted once
+
+    from fairseq_fsdp2 import settings
+    from fairseq_fsdp2.command_line import preflight
+    from fairseq_fsdp2.errors import OptionError
+    from fairseq_fsdp2.estimator import from_args
+    from fairseq_fsdp2.optimizer.build import step_in_backward_conflict, steps_in_backward
+
+    def decisions(flags):
+        args = from_args.parse(["unused-data", "--task", "translation", "--vocab-size", "64",
+                                "--arch", "transformer", "--max-tokens", "64", "--ddp-backend",
+                                "fsdp2", "--optimizer", "adam", "--lr", "1e-4", "--clip-norm",
+                                "0", FLAG, *flags])
+        cfg = runtime_config(args, configs)
+        try:
+            preflight.check_options(cfg)
+            refused = None
+        except OptionError as e:
+            refused = str(e)
+        try:
+            estimated = from_args.setup_for(args, 1).step_in_backward
+        except OptionError as e:
+            estimated = str(e)
+        return step_in_backward_conflict(cfg), steps_in_backward(cfg), refused, estimated
+
+    configs: dict = {}
+    for label, flags, says in RULE_CASES:
+        conflict, runs, refused, estimated = decisions(flags)
+        if says is None:
+            assert (conflict, runs, refused, estimated) == (None, True, None, True), label
+        else:
+            line = f"--fsdp2-step-in-backward {conflict}"
+            assert conflict.startswith(says) and not runs, (label, conflict)
+            assert refused == estimated == line, (label, refused, estimated)
+    monkeypatch.setattr(settings, "step_in_backward_conflict", lambda *a: "replaced")
+    assert decisions([]) == ("replaced", False, "--fsdp2-step-in-backward replaced",
+                             "--fsdp2-step-in-backward replaced")

@@ -281,8 +281,8 @@ class _FSDP2Step:
         if s.step_in_backward:
             rows = shard_rows(V, self.shards, self.rank)[0] * d if self.early else 0
             left = rows, rows
-        led.moment("optimizer step",
-                   optim=step_temporary_bytes(s, *left) if self.on_device and left[1] else 0)
+        led.moment("optimizer step", optim=step_temporary_bytes(s, *left)
+                   if self.on_device and (left[1] or not s.step_in_backward) else 0)
         return led
 
     def forward(self) -> None:

@@ -40,6 +40,7 @@ EIGHT_BIT_FLAG = "--eight-bit-adam-stats"
 NARROW_FLAGS = [EIGHT_BIT_FLAG, "--fsdp2-reduce-dtype", "bf16"]
 #: bf16 weights with no fp32 master copy (settings.keeps_bf16_weights)
 BF16_WEIGHTS_FLAG = "--memory-efficient-bf16"
+IN_BACKWARD_FLAG = "--fsdp2-step-in-backward"
 #: each setting (by the name --settings takes): its row's label and its flags on top of the
 #: common command line
 SETTINGS = {"fp32": ("fp32 moments", []),
@@ -50,7 +51,12 @@ SETTINGS = {"fp32": ("fp32 moments", []),
             "8bit-bf16-grads": (" ".join(NARROW_FLAGS), NARROW_FLAGS),
             # and bf16 weights with no fp32 master (--memory-efficient-bf16: stochastic rounding)
             "bf16-weights": (" ".join([BF16_WEIGHTS_FLAG, *NARROW_FLAGS]),
-                             [BF16_WEIGHTS_FLAG, *NARROW_FLAGS])}
+                             [BF16_WEIGHTS_FLAG, *NARROW_FLAGS]),
+            # and Adam stepped inside backward (optimizer/step_in_backward.py; the harness's
+            # command has no --clip-norm: fairseq's default 0, as the step in backward needs)
+            "bf16-weights-in-backward": (
+                " ".join([BF16_WEIGHTS_FLAG, *NARROW_FLAGS, IN_BACKWARD_FLAG]),
+                [BF16_WEIGHTS_FLAG, *NARROW_FLAGS, IN_BACKWARD_FLAG])}
 COMMON = ["--bf16", "--log-interval", "1000"]
 #: imported by each rank first: prints an UPDATE line per update (its PREFIX; not imported
 #: here, as importing it patches fairseq's Trainer)

@@ -145,6 +145,16 @@ class FSDP2DistributedTrainingConfig(DistributedTrainingConfig):
                           "--update-freq 1, no --cpu-offload; the same update bit for bit, 2 "
                           "bytes per parameter element more)"},
     )
+    fsdp2_step_in_backward: bool = field(
+        default=False,
+        metadata={"help": "FSDP2, --optimizer adam: step each parameter as soon as FSDP2 has "
+                          "reduce-scattered its gradient, inside backward, and free that "
+                          "gradient, so that no whole-model gradient is held (about one "
+                          "layer's at a time); the same update as fairseq's step bit for bit. "
+                          "Needs --clip-norm 0 and --update-freq 1, no --fp16 (bf16 or fp32), "
+                          "no --fp16-adam-stats; costs one small all-reduce of the batch's "
+                          "sample size before backward"},
+    )
 
     # -- LoRA (docs/lora.md): a group of its own, at the end -----------------------------------
     lora_rank: int = field(

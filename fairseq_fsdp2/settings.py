@@ -15,7 +15,10 @@ config, an ``argparse.Namespace`` and the estimator's ``Setup`` all reach them a
   in 16 bits), no ``--cpu-offload``, no ``--fsdp2-fp32-grad-shards``;
 - ``row_chunked_step``: whether Adam steps a chunk of rows at a time (optimizer/
   row_chunk_step.py): a step that can take 16-bit gradients, with bf16 or 8-bit moments, 16-bit
-  gradients, or a state saved in another format to widen.
+  gradients, or a state saved in another format to widen;
+- ``step_in_backward_conflict``: why --fsdp2-step-in-backward cannot step Adam inside backward
+  exactly as after it (or None where it can): the preflight check refuses the run with it, the
+  trainer installs the step where it is None, the estimator models it there.
 
 ``sharding/tied_grad_reduce.applies`` (the tied embedding's early reduce) is the same kind of
 decision, kept beside the technique it switches. tests/test_settings.py checks that the
@@ -79,3 +82,43 @@ def keeps_bf16_weights(memory_efficient_bf16: bool, step_takes_16_bit: bool) -> 
     rounding). Another optimizer (or amsgrad, or fp16 moments) keeps float32 master weights, as
     --bf16 does (the trainer says so)."""
     return memory_efficient_bf16 and step_takes_16_bit
+
+
+def step_in_backward_conflict(optimizer: str, moments: str, amsgrad: bool, clip_norm: float,
+                              update_freq: Optional[Iterable[int]], fp16: bool,
+                              cpu_offload: bool, lora_train_new_rows: bool) -> Optional[str]:
+    """Why Adam's step cannot run inside backward exactly as fairseq's step after it
+    (--fsdp2-step-in-backward: optimizer/step_in_backward.py), or None where it can: fairseq's
+    Adam (``optimizer``: fairseq's name) stepped per parameter on its local shard with float32,
+    bf16 or 8-bit ``moments`` (not fp16 ones, nor amsgrad's third state: stepped a bucket of
+    parameters at a time), each gradient scaled by fairseq's world size / sample size as soon as
+    FSDP2 has reduced it. What needs the whole model's gradient before any step refuses it:
+    clipping (``clip_norm`` > 0: the global norm), ``update_freq`` > 1 (gradients summed over
+    micro-batches), --fp16 / --memory-efficient-fp16 (``fp16``: a loss-scale overflow skips the
+    update, known only once every gradient is), --lora-train-new-rows (zeroes rows of the
+    embedding's gradient after backward); and --cpu-offload, whose Adam runs on the CPU: inside
+    backward it would stall the GPU."""
+    if optimizer != "adam":
+        return f"steps fairseq's Adam: it needs --optimizer adam, got --optimizer {optimizer}"
+    if moments == "fp16":
+        return ("cannot step --fp16-adam-stats' moments one parameter at a time (their scale is "
+                "a bucket's): use --bf16-adam-stats or --eight-bit-adam-stats")
+    if amsgrad:
+        return "cannot step Adam's amsgrad one parameter at a time"
+    if clip_norm > 0:
+        return (f"needs --clip-norm 0, got {clip_norm:g}: clipping scales every gradient by the "
+                f"whole model's norm, known only after backward")
+    freq = list(update_freq or [1])
+    if freq != [1]:
+        return (f"needs --update-freq 1, got {','.join(map(str, freq))}: the gradients of "
+                f"several micro-batches are summed before the step")
+    if fp16:
+        return ("cannot be combined with --fp16: an update whose loss-scaled gradients overflow "
+                "is skipped, known only after backward (use --bf16)")
+    if cpu_offload:
+        return ("cannot be combined with --cpu-offload: Adam would run on the CPU inside "
+                "backward, the GPU waiting for it")
+    if lora_train_new_rows:
+        return ("cannot be combined with --lora-train-new-rows, which zeroes the pretrained "
+                "rows' gradient after backward")
+    return None

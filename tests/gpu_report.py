@@ -276,6 +276,20 @@ def render(work: Path, repo: Path = REPO) -> str:
                   f"{r['error'] * 100:+.1f}% | {r['predicted_2gpu_gib']:.2f} |" for r in fitting]
     else:
         lines.append("Pending: no row measured (the tests that measure it did not run).")
+    one_gpu = [r for r in measured if r.get("table") == "one GPU"]
+    lines += ["", "## NLLB on one GPU (docs/memory.md), measured", "",
+              "`transformer_nllb_3_3b`, `--memory-efficient-bf16 --eight-bit-adam-stats "
+              "--fsdp2-reduce-dtype bf16 --checkpoint-activations --fsdp2-step-in-backward "
+              "--max-tokens 2048`; measured: the largest per-interval `mem_peak_gb_max` of "
+              "updates 2-3 (CUDA allocator).", ""]
+    if one_gpu:
+        lines += ["| settings | measured GiB | predicted GiB | error | predicted peak at |",
+                  "|---|---:|---:|---:|---|"]
+        lines += [f"| {r['name']} | {r['measured_gib']:.2f} | {r['predicted_gib']:.2f} | "
+                  f"{r['error'] * 100:+.1f}% | {r['peak_at']} |" for r in one_gpu]
+    else:
+        lines.append("Pending: no row measured (the test did not run, or the GPU has less "
+                     "memory than the prediction needs: its skip says how much).")
     step = [r for r in measured if r.get("table") == "step"]
     lines += ["", "## The optimizer step with 8-bit Adam moments, NLLB-3.3B's dimensions, one GPU",
               "", "Every parameter of `transformer_nllb_3_3b` (float32, float32 gradients) on one "

@@ -224,6 +224,22 @@ def test_report_gives_the_8_bit_step_row_or_says_it_is_pending(tmp_path):
     assert "Pending: not measured" not in text
 
 
+def test_report_gives_the_one_gpu_3_3b_row_or_says_it_is_pending(tmp_path):
+    """tests/test_cuda.py's one-GPU NLLB-3.3B row with the step in backward (record_row "one
+    GPU") in its own table, its error as measured; none: pending."""
+    write_json(tmp_path / "build.json", {"state": "ok", "seconds": 80})
+    write_json(tmp_path / "test.json", {"state": "done", "exit": 0, "seconds": 9})
+    heading = "## NLLB on one GPU (docs/memory.md), measured"
+    section = lambda text: text.split(heading)[1].split("##")[0]  # noqa: E731
+    assert "Pending: no row measured" in section(gpu_report.render(tmp_path, REPO))
+    events(tmp_path / "estimates.jsonl", {
+        "table": "one GPU", "name": "NLLB-3.3B, step in backward", "measured_gib": 16.012,
+        "predicted_gib": 15.507, "error": -0.032, "peak_at": "backward: reduce-scatter shared"})
+    text = section(gpu_report.render(tmp_path, REPO))
+    assert ("| NLLB-3.3B, step in backward | 16.01 | 15.51 | -3.2% | backward: reduce-scatter "
+            "shared |") in text and "Pending" not in text
+
+
 def test_report_of_a_failed_build_says_so_and_lists_no_test(tmp_path):
     write_json(tmp_path / "build.json", {"state": "failed", "error": "no torch"})
     text = gpu_report.render(tmp_path, REPO)

@@ -33,7 +33,7 @@ DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 #: and its traced forward, which estimates() already makes once for every --world-size).
 SETUP_ONLY = {"world_size", "fit_gb", "cpu_baseline_gb", "fp16_adam_stats", "bf16_adam_stats",
               "eight_bit_adam_stats", "fsdp2_reduce_dtype", "cpu_offload",
-              "fsdp2_no_tied_early_reduce"}
+              "fsdp2_no_tied_early_reduce", "fsdp2_step_in_backward"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -192,6 +192,28 @@ def test_memory_prose_figures_are_what_the_estimator_predicts():
     estimator gives today, is in the page (a figure that went stale fails here)."""
     text = " ".join((REPO / "docs" / "memory.md").read_text().split())
     missing = [claim for claim in prose_claims() if claim not in text]
+    assert not missing, "docs/memory.md states otherwise (expected phrases):\n" + "\n".join(missing)
+
+
+def one_gpu_in_backward_claims() -> list[str]:
+    """docs/memory.md's "NLLB on one GPU" prose on the step in backward: why NLLB-3.3B fits no
+    16 GB GPU, from the estimate of its one-GPU row (the table's own command): the bf16
+    weights and 8-bit moments alone, and what the peak (the end of backward) adds to them."""
+    table = next(t for t in TABLES if t.name == "one GPU")
+    row = next(r for r in table.rows if "--fsdp2-step-in-backward" in r.argv)
+    (estimate,) = cli.estimate_args(table.command(row))
+    (ranks,) = estimate.classes
+    b, gib = ranks.breakdown, (lambda n: n / 2 ** 30)  # noqa: E731
+    assert "reduce-scatter shared" in ranks.moment
+    held = gib(b["sharded"] + b["optim"])
+    assert held + gib(b["grads"] + b["comm"]) > GPU_16GB_BUDGET  # "does not fit"
+    return [f"the bf16 weights and 8-bit moments alone take {held:.1f} GiB",
+            f"take {gib(b['grads'] + b['comm']):.2f} GiB more"]
+
+
+def test_one_gpu_step_in_backward_prose_is_what_the_estimator_predicts():
+    text = " ".join((REPO / "docs" / "memory.md").read_text().split())
+    missing = [claim for claim in one_gpu_in_backward_claims() if claim not in text]
     assert not missing, "docs/memory.md states otherwise (expected phrases):\n" + "\n".join(missing)
 
 

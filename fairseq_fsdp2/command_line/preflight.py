@@ -22,6 +22,7 @@ from ..checkpoint import sharded
 from ..checkpoint.safe_load import read_checkpoint_file
 from ..errors import CheckpointError, OptionError, first_line, unwritable
 from ..hf.nllb_weights import INDEX, WEIGHTS, is_hf_source
+from ..optimizer.build import step_in_backward_conflict
 from ..options import FSDP2_BACKEND, LEGACY_FSDP_BACKEND, validate
 
 logger = logging.getLogger(__name__)
@@ -139,6 +140,10 @@ def check_options(cfg) -> None:
     if getattr(dt, "lora_train_new_rows", False) and decay > 0:
         raise OptionError(f"--lora-train-new-rows keeps the pretrained rows as they are, which "
                           f"--weight-decay {decay:g} would shrink: choose one")
+    if getattr(dt, "fsdp2_step_in_backward", False):
+        conflict = step_in_backward_conflict(cfg)
+        if conflict is not None:
+            raise OptionError(f"--fsdp2-step-in-backward {conflict}")
     check_fairseq_flags(cfg)
 
 

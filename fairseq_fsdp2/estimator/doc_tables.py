@@ -89,11 +89,18 @@ def _nllb_bf16_weights(size: str, *flags: str, max_tokens: int = 2048) -> tuple[
 ONE_GPU = (*RECIPE, *CKPT, *STATS8, "--fsdp2-reduce-dtype", "bf16")
 
 
+#: Adam stepped inside backward, each gradient freed once stepped (optimizer/step_in_backward.py;
+#: needs --clip-norm 0, fairseq's default, and --update-freq 1)
+IN_BACKWARD = ("--fsdp2-step-in-backward",)
+ONE_GPU_FLAGS = ("`--memory-efficient-bf16 --eight-bit-adam-stats --fsdp2-reduce-dtype bf16 "
+                 "--checkpoint-activations")
+
+
 def _one_gpu_rows() -> tuple[Row, ...]:
-    return tuple(Row((label, "`--memory-efficient-bf16 --eight-bit-adam-stats "
-                             "--fsdp2-reduce-dtype bf16 --checkpoint-activations`"),
-                     _nllb_bf16_weights(size, *ONE_GPU))
-                 for label, size in (("600M", "600m"), ("1.3B", "1_3b"), ("3.3B", "3_3b")))
+    return tuple(Row((label, f"{ONE_GPU_FLAGS}`"), _nllb_bf16_weights(size, *ONE_GPU))
+                 for label, size in (("600M", "600m"), ("1.3B", "1_3b"), ("3.3B", "3_3b"))) + (
+        Row(("3.3B", f"{ONE_GPU_FLAGS} --fsdp2-step-in-backward`"),
+            _nllb_bf16_weights("3_3b", *ONE_GPU, *IN_BACKWARD)),)
 
 
 def _fitting_rows() -> tuple[Row, ...]:
@@ -133,6 +140,10 @@ def _lora_rows() -> tuple[Row, ...]:
 TABLES = (
     Table("fitting", "README.md", ("model", "extra flags"), (2, 4, 8), _fitting_rows()),
     Table("one GPU", "docs/memory.md", ("model", "extra flags"), (1,), _one_gpu_rows()),
+    Table("one GPU, step in backward", "docs/memory.md", ("NLLB-3.3B, one GPU, settings",),
+          (1,), (Row((f"{ONE_GPU_FLAGS} --fsdp2-step-in-backward`",),
+                     _nllb_bf16_weights("3_3b", *ONE_GPU, *IN_BACKWARD)),),
+          fit_gb=(GPU_24GB_BUDGET, GPU_16GB_BUDGET)),
     Table("lora", "docs/lora.md", ("model", "extra flags"), (1,), _lora_rows()),
     Table("lora fit on 24 GB", "docs/lora.md", ("NLLB-3.3B, one GPU, settings",), (1,), (
         Row(("the recipe's, `--lora-rank 16`",), _nllb("3_3b", *RECIPE, *LORA)),

@@ -129,6 +129,23 @@ def bf16_weights_of(args) -> bool:
                                          adam_stats_of(args), getattr(args, "amsgrad", False)))
 
 
+def step_in_backward_of(args) -> bool:
+    """Whether the trainer steps Adam inside backward: --fsdp2-step-in-backward (FSDP2 only)
+    where the trainer's rule (settings.step_in_backward_conflict) finds nothing in the way; a
+    conflict is the estimate's error, as it is training's (command_line/preflight.py)."""
+    if backend_of(args) != "fsdp2" or not getattr(args, "fsdp2_step_in_backward", False):
+        return False
+    conflict = settings.step_in_backward_conflict(
+        getattr(args, "optimizer", "adam") or "adam", adam_stats_of(args),
+        bool(getattr(args, "amsgrad", False)), float(getattr(args, "clip_norm", 0) or 0),
+        getattr(args, "update_freq", None), precision_of(args) == "fp16",
+        bool(getattr(args, "cpu_offload", False)),
+        bool(getattr(args, "lora_train_new_rows", False)))
+    if conflict is not None:
+        raise OptionError(f"--fsdp2-step-in-backward {conflict}")
+    return True
+
+
 def setup_for(args, world_size: int) -> Setup:
     replicate = args.replicate_degree or getattr(args, "fsdp2_replicate_degree", 1) or 1
     device = args.device or ("cpu" if getattr(args, "cpu", False) else "cuda")
@@ -152,6 +169,7 @@ def setup_for(args, world_size: int) -> Setup:
         tied_grad_buffer=tied_grad_buffer_on(args), adam_stats=adam_stats_of(args),
         ema_bytes=ema_bytes_of(args), reduce_dtype=reduce_dtype_of(args),
         narrow_grads=narrow_grads_of(args), bf16_weights=bf16_weights_of(args),
+        step_in_backward=step_in_backward_of(args),
         tied_early_reduce=backend_of(args) == "fsdp2" and tied_grad_reduce.applies(
             args, world_size // replicate, int((getattr(args, "update_freq", None) or [1])[0])))
 

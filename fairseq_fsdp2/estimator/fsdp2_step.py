@@ -40,10 +40,11 @@ class _FSDP2Step:
         self.gb = self.rb if setup.narrow_grads else self.wb
         self.shards = setup.world_size // setup.replicate_degree
         self.units = {u.name: u for u in profile.units}
-        self.local, self.padded, self.largest = {}, {}, 0
+        self.local, self.padded, self.largest, self.unit_largest = {}, {}, 0, {}
         for u in profile.units:
             self.local[u.name], self.padded[u.name], big = unit_sizes(u, self.shards, rank)
             self.largest = max(self.largest, big)
+            self.unit_largest[u.name] = big
         self.full = {n: self.padded[n] * self.c for n in self.units}
         # what trains (LoRA: the adapters; lora.py), and the frozen rest's sharded elements
         lora = trained_sizes(profile, self.shards, rank)
@@ -163,7 +164,14 @@ class _FSDP2Step:
             led.sub("grads", grad_bytes)  # unsharded gradients dropped after the copy-in
         led.add("comm", rs_input)
         self.retained_rs = rs_input
-        if self.on_device:  # the sharded gradient: fp32, the 16-bit output kept, or bf16
+        if self.on_device and self.s.step_in_backward:
+            # stepped at once, a parameter at a time, each gradient shard freed once stepped
+            # (optimizer/step_in_backward.py): the unit's shards and the step's temporaries
+            # of its largest parameter, then nothing kept
+            big = min(self.unit_largest[name], self.grad_largest)
+            led.moment(f"backward: {name} stepped in backward", grads=local * self.gb,
+                       optim=step_temporary_bytes(self.s, big, big))
+        elif self.on_device:  # the sharded gradient: fp32, the 16-bit output kept, or bf16
             led.add("grads", local * self.gb)
         self.reduced.add(name)
         self.reshard(name)
@@ -267,10 +275,14 @@ class _FSDP2Step:
         self.prefetched = {}
         for name in list(self.gathered):
             self.reshard(name)
-        # optimizer step (the update's temporaries, for the largest shard)
-        led.moment("optimizer step",
-                   optim=step_temporary_bytes(s, self.grad_largest, elements)
-                   if self.on_device else 0)
+        # optimizer step (the update's temporaries, for the largest shard; in backward already
+        # but for the tied weight's shard where it was reduced early)
+        left = self.grad_largest, elements
+        if s.step_in_backward:
+            rows = shard_rows(V, self.shards, self.rank)[0] * d if self.early else 0
+            left = rows, rows
+        led.moment("optimizer step", optim=step_temporary_bytes(s, *left)
+                   if self.on_device and (left[1] or not s.step_in_backward) else 0)
         return led
 
     def forward(self) -> None:

@@ -68,6 +68,10 @@ class Setup:
     # shards (--memory-efficient-bf16 with Adam: settings.keeps_bf16_weights decides,
     # bf16_weights_of in from_args.py)
     bf16_weights: bool = False
+    # Adam stepped per parameter inside backward, each gradient shard freed once stepped
+    # (--fsdp2-step-in-backward: settings.step_in_backward_conflict decides, step_in_backward_of
+    # in from_args.py; optimizer/step_in_backward.py)
+    step_in_backward: bool = False
 
 
 class Ledger:

@@ -170,6 +170,28 @@ class StoredMoments(RowChunkSteps):
         self.mixed_state_loaded = False
         return loss
 
+    def step_parameters(self, only: list) -> None:
+        """Step ``only`` the parameters listed (group number, place among all the groups'
+        parameters from 1, parameter; the step in backward: step_in_backward.py) as a step of
+        all of them would: the same path (``step``'s: fairseq's own or row-chunked; a
+        ``mixed_state_loaded`` is kept for the others, the step after backward clears it), the
+        same random streams (by place), each parameter's arithmetic its own (elementwise)."""
+        narrow = any(p.grad is not None and p.grad.dtype in SIXTEEN_BIT_GRADS for *_, p in only)
+        if self.steps_in_row_chunks(narrow):
+            self.step_in_row_chunks(only)
+            return
+        if self.moments.widened_bytes or self.mixed_state_loaded or narrow or self.bf16_weights:
+            raise NotImplementedError("a bucketed step (fp16 moments, amsgrad) steps all "
+                                      "parameters at once")  # settings refuses these
+        groups = [group["params"] for group in self.param_groups]
+        try:
+            for number, group in enumerate(self.param_groups):
+                group["params"] = [p for g, _, p in only if g == number]
+            super().step()  # fairseq's own, on the local shards (local_shard_step.py)
+        finally:
+            for group, params in zip(self.param_groups, groups):
+                group["params"] = params
+
     def _numel(self, p: torch.Tensor) -> int:
         if self._numels is None:
             self._numels = {}

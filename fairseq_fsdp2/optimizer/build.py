@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from typing import Optional
 
 from fairseq import optim
 from omegaconf import OmegaConf, open_dict
@@ -41,6 +42,27 @@ def keeps_bf16_weights(cfg, local_shards: bool = True) -> bool:
         settings.step_takes_16_bit_grads(
             str(getattr(cfg.optimizer, "_name", None) or ""), adam_stats(cfg),
             bool(getattr(cfg.optimizer, "amsgrad", False)), local_shards))
+
+
+def step_in_backward_conflict(cfg) -> Optional[str]:
+    """Why this run cannot step Adam inside backward exactly as after it, or None where it can
+    (settings.step_in_backward_conflict decides: for the preflight check, which refuses
+    --fsdp2-step-in-backward with it, the trainer and the estimator)."""
+    common, optimization = cfg.common, cfg.optimization
+    return settings.step_in_backward_conflict(
+        str(getattr(cfg.optimizer, "_name", None) or ""), adam_stats(cfg),
+        bool(getattr(cfg.optimizer, "amsgrad", False)), float(optimization.clip_norm or 0),
+        optimization.update_freq,
+        bool(common.fp16 or getattr(common, "memory_efficient_fp16", False)),
+        bool(OmegaConf.select(cfg, "distributed_training.cpu_offload", default=False)),
+        bool(OmegaConf.select(cfg, "distributed_training.lora_train_new_rows", default=False)))
+
+
+def steps_in_backward(cfg) -> bool:
+    """Whether this run steps Adam inside backward: --fsdp2-step-in-backward where nothing
+    conflicts (step_in_backward_conflict; the preflight check refuses the rest)."""
+    return bool(OmegaConf.select(cfg, "distributed_training.fsdp2_step_in_backward",
+                                 default=False)) and step_in_backward_conflict(cfg) is None
 
 
 def build_optimizer(cfg, params, local_shards: bool = True):

@@ -112,7 +112,13 @@ def _norm_of_local_shards(grads: list[torch.Tensor], mesh, shard_dims: list[int]
                           factors: Sequence = ()) -> torch.Tensor:
     shards = [g.to_local() for g in grads]
     space = widening_space(shards)
-    local = [local_norm(g, factors, space=space) for g in shards]
+    return norm_of_local_norms([local_norm(g, factors, space=space) for g in shards], mesh,
+                               shard_dims)
+
+
+def norm_of_local_norms(local: list[torch.Tensor], mesh, shard_dims: list[int]) -> torch.Tensor:
+    """The global 2-norm from each gradient's local-shard norm (local_norm), in order: their
+    squares summed over the sharded mesh dimensions, then the norm of the per-tensor norms."""
     squares = torch.stack(local).square()
     for dim in shard_dims:
         group = mesh.get_group(dim)
@@ -153,27 +159,35 @@ class GlobalGradNorm:
     #: scale gradients on the local shards (False: through DTensor dispatch, for comparisons)
     local_shards = True
 
-    def _pending(self) -> Optional[list]:
+    #: the step in backward (step_in_backward.py), where the run has it: it has stepped the
+    #: gradients FSDP2 reduced, and gives the norm over those and the rest
+    in_backward = None
+
+    def pending_factors(self) -> Optional[list]:
         """The torch optimizer's list of factors pending for 16-bit gradients, if its step
         takes them (adam_stats.py)."""
         takes = getattr(self.optimizer, "takes_16_bit_grads", None)
         return self.optimizer.grad_factors if takes is not None and takes() else None
 
     def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
-        norm = clip_grad_norm_(self.params, max_norm, self.local_shards, self._pending())
+        if self.in_backward is not None and self.in_backward.stepped():
+            return self.in_backward.clip_grad_norm(max_norm, self.params)
+        norm = clip_grad_norm_(self.params, max_norm, self.local_shards, self.pending_factors())
         # already global: fairseq's aggregate for its own FSDP (an all-reduce of the squared
         # norm) would sum it over the ranks once more, so it is not applied
         return norm
 
     def multiply_grads(self, c):
+        if self.in_backward is not None:
+            self.in_backward.check_factor(c)
         if self.local_shards:
-            multiply_grads(self.params, c, self._pending())
+            multiply_grads(self.params, c, self.pending_factors())
         else:
             super().multiply_grads(c)
 
     def zero_grad(self):
         super().zero_grad()
-        if self._pending() is not None:
+        if self.pending_factors() is not None:
             self.optimizer.grad_factors = []  # the gradients they were for are gone
 
 

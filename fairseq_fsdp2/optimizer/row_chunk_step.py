@@ -182,24 +182,31 @@ class RowChunkSteps:
         """The format of ``p``'s moments in this run (8 bits: float32 for a small one)."""
         return self.moments.for_parameter(p)
 
-    def step_in_row_chunks(self) -> None:
+    def step_in_row_chunks(self, only: Optional[list] = None) -> None:
+        """Step every parameter with a gradient, or ``only`` those listed (group number, place,
+        parameter; the step in backward: step_in_backward.py), each drawing from the streams of
+        its place among all the groups' parameters, as in a step of all of them."""
         index = 0
-        for group in self.param_groups:
+        for number, group in enumerate(self.param_groups):
             params = group["params"]
             calls: list[list] = [[]]
             size = 0
             moments = []
-            for p in params:
-                index += 1  # the parameter's place: its random streams
+            if only is None:
+                placed = [(index + i, p) for i, p in enumerate(params, 1)]
+                index += len(params)
+            else:
+                placed = [(place, p) for g, place, p in only if g == number]
+            for place, p in placed:  # the parameter's place: its random streams
                 if p.grad is None:
                     continue
                 state = self.state.get(p) or {}
                 step = state.get("step", 0) + 1
                 fmt = self.format_for(p)
                 entry = [_Moment(state, key, fmt, p, stream_seed(
-                    self.stats_seed, step, index, k, *shard_coordinate(p)))
+                    self.stats_seed, step, place, k, *shard_coordinate(p)))
                     for k, key in enumerate(MOMENTS)]
-                weight = _Weight(stream_seed(self.stats_seed, step, index, len(MOMENTS),
+                weight = _Weight(stream_seed(self.stats_seed, step, place, len(MOMENTS),
                                              *shard_coordinate(p)),
                                  self.round_weights_to_nearest) \
                     if p.dtype in SIXTEEN_BIT_WEIGHTS else None

@@ -26,7 +26,8 @@ from ..memory.breakdown import record_update
 from ..memory.monitor import MemoryMonitor, describe_last
 from ..optimizer import mixed_precision
 from ..optimizer.moments.blockwise_8bit import release_workspaces
-from ..optimizer.build import build_optimizer, keeps_bf16_weights
+from ..optimizer.build import build_optimizer, keeps_bf16_weights, steps_in_backward
+from ..optimizer.step_in_backward import StepInBackward
 from ..models import lora
 from ..options import (FSDP2_BACKEND, lora_modules, lora_scaling, lora_train_patterns,
                        tied_grad_buffer_on)
@@ -63,6 +64,7 @@ class FSDP2Trainer(TrainerEMA, TrainerCheckpoints, Trainer):
         self._weights_loaded = False  # a meta-built model must be loaded before use
         self.sharding_plan: ShardingPlan | None = None
         self._overflowed = False
+        self._in_backward = None  # --fsdp2-step-in-backward's step, with the optimizer
         self._loading_from: str | None = None  # the checkpoint file being loaded
         self._shards: str | None = None  # written by consolidate_optimizer, for state_dict
         self._memory = MemoryMonitor(
@@ -180,6 +182,15 @@ class FSDP2Trainer(TrainerEMA, TrainerCheckpoints, Trainer):
             sixteen_bit_grads.keep_reduce_dtype_grads(self.model)
             logger.info("gradient shards kept in the reduce dtype (--fsdp2-reduce-dtype) for "
                         "the optimizer: 2 bytes per parameter element fewer than fp32")
+        if self._in_backward is not None:  # fairseq builds the optimizer again on loading
+            self._in_backward.remove()
+            self._in_backward = None
+        if steps_in_backward(self.cfg):  # --fsdp2-step-in-backward (optimizer/step_in_backward.py)
+            self._in_backward = StepInBackward(self._optimizer)
+            self._in_backward.handles.append(
+                self._criterion.register_forward_hook(self._loss_computed))
+            logger.info("Adam steps each parameter inside backward, as soon as FSDP2 has reduced "
+                        "its gradient (--fsdp2-step-in-backward): no whole-model gradient held")
         self._lr_scheduler = lr_scheduler.build_lr_scheduler(self.cfg.lr_scheduler,
                                                              self.optimizer)
         self._lr_scheduler.step_update(0)
@@ -195,7 +206,30 @@ class FSDP2Trainer(TrainerEMA, TrainerCheckpoints, Trainer):
             takes is not None and takes(), self.cfg.optimization.update_freq, dt.cpu_offload,
             getattr(dt, "fsdp2_fp32_grad_shards", False))
 
+    def _prepare_sample(self, sample, is_dummy=False):
+        sample, dummy = super()._prepare_sample(sample, is_dummy)
+        self._dummy_sample = dummy  # the step in backward's factor counts it as fairseq does
+        return sample, dummy
+
+    def _loss_computed(self, criterion, inputs, output) -> None:
+        """The criterion's forward hook under the step in backward: fairseq's factor of this
+        update's gradients, world size / the sample size summed over the ranks, computed as
+        train_step computes it after backward (a dummy batch counts 0; the sum all-reduced in
+        float64 by fairseq's all_reduce_dict), known now, before backward: one small
+        all-reduce."""
+        if self._in_backward is None or not self._in_backward.armed:
+            return
+        sample_size = 0.0 if getattr(self, "_dummy_sample", False) else output[1]
+        sample_size = sample_size.float() if torch.is_tensor(sample_size) else float(sample_size)
+        if self._sync_stats():
+            sample_size = distributed_utils.all_reduce_dict(
+                {"sample_size": sample_size}, device=self.device,
+                group=self.data_parallel_process_group)["sample_size"]
+        self._in_backward.set_factor(self.data_parallel_world_size / (sample_size or 1.0))
+
     def clip_grad_norm(self, clip_norm):
+        if self._in_backward is not None:
+            self._in_backward.disarm()  # backward is over: fairseq takes the norm
         # The norm comes from optimizer/grad_norm.py (build_optimizer installs it under
         # fairseq's fp16 wrappers): the global norm over the DTensor gradients, whatever
         # fairseq's own helper would do (apex's local norms, --cpu-offload's CPU gradients).
@@ -228,6 +262,8 @@ class FSDP2Trainer(TrainerEMA, TrainerCheckpoints, Trainer):
             self.criterion.loss_scale = None if scaler is None else scaler.loss_scale
         if self._heartbeat is not None:
             self._heartbeat.num_updates = self.get_num_updates()
+        if self._in_backward is not None:
+            self._in_backward.arm()
         try:
             with record_update(self):  # --fsdp2-memory-breakdown N: update N only
                 # raise_oom: fairseq would skip the batch and go on, but the other ranks are
@@ -255,6 +291,9 @@ class FSDP2Trainer(TrainerEMA, TrainerCheckpoints, Trainer):
             if not self._overflowed or self.cuda:
                 raise
             logging_output = self._skip_overflowed_step()
+        finally:
+            if self._in_backward is not None:
+                self._in_backward.disarm()
         if logging_output is not None and \
                 self.get_num_updates() % self.cfg.common.log_interval == 0:
             self._memory.log(self.get_num_updates())

@@ -102,6 +102,9 @@ def files(corpus, tmp_path_factory):
             "lora": lora_save / "checkpoint_last.pt"}
 
 
+STEP_IN_BACKWARD_CLIPS = ("--fsdp2-step-in-backward needs --clip-norm 0, got 1: clipping scales "
+                          "every gradient by the whole model's norm, known only after backward")
+
 # docs/errors.md row -> cases: (ranks (0: one process, not under torchrun), extra flags (may name
 # files), message[, module])
 CATALOGUE = {
@@ -159,6 +162,18 @@ CATALOGUE = {
          f"{flag} needs --ddp-backend fsdp2: --ddp-backend legacy_ddp would ignore it")
         for flag, value in [("--bf16-adam-stats", []), ("--eight-bit-adam-stats", []),
                             ("--init-new-langs-from", ["eng_Latn"])]],
+    "`--fsdp2-step-in-backward` with clipping (`--clip-norm` above 0), `--update-freq` above 1, "
+    "`--fp16`, `--fp16-adam-stats`, `--cpu-offload`, `--lora-train-new-rows` or another "
+    "optimizer than Adam": [
+        (0, ["--fsdp2-step-in-backward"], STEP_IN_BACKWARD_CLIPS),  # TRAINING clips at 1.0
+        (0, ["--fsdp2-step-in-backward", "--clip-norm", "0", "--update-freq", "2"],
+         "--fsdp2-step-in-backward needs --update-freq 1, got 2: the gradients of several "
+         "micro-batches are summed before the step"),
+        (0, ["--fsdp2-step-in-backward", "--clip-norm", "0", "--fp16"],
+         "--fsdp2-step-in-backward cannot be combined with --fp16: an update whose loss-scaled "
+         "gradients overflow is skipped, known only after backward (use --bf16)"),
+        (1, ["distributed_training.fsdp2_step_in_backward=true"], STEP_IN_BACKWARD_CLIPS,
+         HYDRA)],  # the demo's config clips at 1.0
     "`--lora-rank -1`, `--lora-alpha 0`, `--lora-dropout 1`, or a LoRA option without "
     "`--lora-rank`": [
         (1, ["--lora-rank", "-1"], "--lora-rank must be >= 0 (0: off), got -1"),

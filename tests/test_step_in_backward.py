@@ -98,20 +98,6 @@ def test_step_in_backward_trains_bit_identical_to_the_step_after_it(case, corpus
     assert weights == {torch.bfloat16 if "--memory-efficient-bf16" in flags else torch.float32}
 
 
-def test_update_freq_2_is_refused_before_training(corpus, tmp_path):
-    """The step in backward cannot be fairseq's update when micro-batches are summed: one line,
-    exit 2, nothing written (command_line/preflight.py; settings.step_in_backward_conflict).
-    The other refusals: docs/errors.md's table (tests/test_bad_input.py)."""
-    result, = run_ranks(1, lambda r: train_args_for(corpus, tmp_path / "ckpt", *FSDP2, FLAG,
-                                                    "--update-freq", "2", updates=2, save=True),
-                        timeout=120)
-    errors = [l for l in result.output.splitlines() if l.startswith("fairseq_fsdp2: error:")]
-    assert result.returncode == 2 and errors == [
-        "fairseq_fsdp2: error: --fsdp2-step-in-backward needs --update-freq 1, got 2: the "
-        "gradients of several micro-batches are summed before the step"], result.output[-3000:]
-    assert "begin training" not in result.output and not (tmp_path / "ckpt").exists()
-
-
 #: the options the step in backward's rule reads, each alone against a run it accepts (fp32,
 #: Adam, --clip-norm 0, --update-freq 1): (label, flags, what the rule says: None, or the start
 #: of its reason)

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from conftest import REPO, STEP_DTYPES, steps_seen, train_args_for
-from launcher import ok, run_command, run_ranks
+from launcher import ok, run_ranks, train_inner
 from numerics import per_update
 
 FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1"]
@@ -40,16 +40,30 @@ CASES = {"bf16_8bit": ["--bf16", "--fsdp2-reduce-dtype", "bf16", "--eight-bit-ad
                            str(2 ** 26)]}
 
 
-def train(corpus, save_dir, *flags) -> tuple[str, dict, list]:
-    """Rank 0's log, the final weights (the checkpoint exported by consolidate) and what each
-    rank's optimizer steps took (conftest.steps_seen)."""
+def train(corpus, save_dir, *flags) -> tuple[list, dict]:
+    """Every rank's result (each exited 0; their output shows what their optimizer steps
+    took: conftest.steps_seen) and the final weights: the consolidated checkpoint the run
+    itself wrote at the end of training (checkpoint_last_consolidated.pt, what
+    ``python -m fairseq_fsdp2.consolidate`` exports from checkpoint_last.pt)."""
     results = run_ranks(2, lambda r: train_args_for(corpus, save_dir, *FSDP2, *flags,
                                                     updates=UPDATES, save=True), **STEP_DTYPES)
-    out = ok(results)
-    exported = save_dir / "model.pt"
-    proc = run_command("fairseq_fsdp2.consolidate", save_dir / "checkpoint_last.pt", exported)
-    assert proc.returncode == 0, proc.output[-2000:]
-    return out, torch.load(exported, weights_only=True)["model"], steps_seen(results)
+    ok(results)
+    exported = save_dir / "checkpoint_last_consolidated.pt"
+    return results, torch.load(exported, weights_only=True)["model"]
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory):
+    """train(*flags), each command line run once in this module: the narrow fp16 run of
+    test_16_bit_gradient_shards_train_bit_identical_to_fp32_shards also serves
+    test_fp16_reduction_overflow_is_seen_and_skipped_on_every_rank."""
+    done = {}
+
+    def run(*flags):
+        if flags not in done:
+            done[flags] = train(corpus, tmp_path_factory.mktemp("run"), *flags)
+        return done[flags]
+    return run
 
 
 def assert_steps_took(steps: list, grads: str, reduced: str, count: int) -> None:
@@ -70,10 +84,12 @@ def reduce_dtype(flags) -> str:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_16_bit_gradient_shards_train_bit_identical_to_fp32_shards(case, corpus, tmp_path):
+def test_16_bit_gradient_shards_train_bit_identical_to_fp32_shards(case, trained):
     flags = CASES[case]
-    narrow, weights, narrow_steps = train(corpus, tmp_path / "narrow", *flags)
-    wide, wide_weights, wide_steps = train(corpus, tmp_path / "wide", *flags, *WIDE)
+    narrow_results, weights = trained(*flags)
+    wide_results, wide_weights = trained(*flags, *WIDE)
+    narrow, narrow_steps = narrow_results[0].output, steps_seen(narrow_results)
+    wide, wide_steps = wide_results[0].output, steps_seen(wide_results)
     # the two paths under comparison were taken: both reduce-scatter in the reduce dtype; the
     # narrow run's every step takes the 16-bit shards, the reference's the fp32 ones
     # (overflowed updates take no step: the UPDATES counted ones do)
@@ -119,3 +135,23 @@ def test_gradients_accumulated_over_micro_batches_stay_fp32(corpus, tmp_path):
     out = ok(results)
     assert KEPT not in out and sorted(per_update(out)) == [1, 2]
     assert_steps_took(steps_seen(results), "torch.float32", reduce_dtype(flags), 2)
+
+
+def test_fp16_reduction_overflow_is_seen_and_skipped_on_every_rank(trained):
+    """--fsdp2-reduce-dtype fp16 under fairseq's loss scaling: an initial scale of 2^26 makes the
+    fp16 gradients overflow (to inf, or NaN where inf - inf); the fp16 reduce-scatter carries
+    the non-finite values into the shards (inf / 2 and inf + x stay inf), the global gradient
+    norm (all-reduced) is non-finite on every rank, and every rank logs fairseq's overflow note
+    and skips the step: the scale halves on both alike until the gradients fit, then training
+    goes on. (Each rank's log: tests/probes/step_dtypes.py keeps fairseq's trainer at INFO on
+    rank 1 too.) The narrow run of the fp16_overflow case above."""
+    results, _ = trained(*CASES["fp16_overflow"])
+    note = "NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: "
+    scales = [[float(line.split(note, 1)[1].split()[0]) for line in r.output.splitlines()
+               if note in line] for r in results]
+    assert len(scales[0]) >= 3 and scales[0] == scales[1], scales  # the same skips, alike
+    assert scales[0] == [2.0 ** (25 - i) for i in range(len(scales[0]))], scales
+    records = train_inner(results[0].output)
+    # skips not counted
+    assert [int(r["num_updates"]) for r in records] == list(range(1, UPDATES + 1))
+    assert float(records[-1]["loss_scale"]) <= scales[0][-1]

@@ -14,9 +14,15 @@ it after the gradients are reduced, scaled and clipped), one line
   ``gloo_collectives.AllReduceReduceScatter``, wrapped here; its input is what the ranks sum,
   in the dtype they sum in.
 Recording changes no value: the run's losses stay those of an unprobed run.
+
+And fairseq's trainer logs at INFO on every rank, for tests that check what each rank did
+(fairseq sets the root logger of every rank but rank 0 to WARNING, so its ``NOTE: gradient
+overflow detected ...`` lines would appear from rank 0 only; the logger's own level lets its
+records through, the root's handlers print them). Rank 0's output is unchanged.
 """
 import collections
 import json
+import logging
 import os
 
 from fairseq_cli.train import cli_main
@@ -63,6 +69,7 @@ def recording_build(build):
 
 
 if __name__ == "__main__":
+    logging.getLogger("fairseq.trainer").setLevel(logging.INFO)
     reduce_scatter = gloo_collectives.AllReduceReduceScatter
     reduce_scatter.__call__ = recording_reduce_scatter(reduce_scatter.__call__)
     trainer = fsdp2_trainer.FSDP2Trainer

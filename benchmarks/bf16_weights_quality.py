@@ -31,6 +31,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -101,6 +102,13 @@ def evaluate(data: Path, checkpoint: Path, out: Path) -> dict:
     return {d: round(v["scores"]["model"]["chrf++"], 2) for d, v in directions.items()}
 
 
+def fresh(path: Path) -> Path:
+    """A run's save directory, emptied: a checkpoint left by an earlier benchmark would be
+    resumed (fairseq restores SAVE_DIR/checkpoint_last.pt)."""
+    shutil.rmtree(path, ignore_errors=True)
+    return path
+
+
 def measure(args: argparse.Namespace, work: Path) -> dict:
     raw, data = work / "raw", work / "data"
     if not (data / "lang_pairs.txt").exists():
@@ -111,7 +119,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
         subprocess.run([*prepare, str(raw), str(data), "--vocab-size", "300"], check=True,
                        capture_output=True)
     saved: dict = {"load": [], "runs": {}}
-    pretrained = work / "pretrained"
+    pretrained = fresh(work / "pretrained")
     run = train("pretrained", recipe_args(
         ["--data", str(data), "--save-dir", str(pretrained), "--max-update",
          str(args.pretrain_updates), "--lr", "4e-3", "--warmup-updates", "30",
@@ -119,10 +127,15 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
         "", work, args.timeout)
     start = pretrained / "checkpoint_last_consolidated.pt"
     run["chrf"] = evaluate(data, start, work / "evaluation" / "pretrained")
+    # the start's validation loss, by the same validation: one update at lr 1e-7 (fp32 masters)
+    run["valid_loss"] = train("start", recipe_args(
+        ["--data", str(data), "--save-dir", str(fresh(work / "start")), "--pretrained", str(start),
+         "--max-update", "1", "--lr", "1e-7", "--log-interval", "100"], ["--bf16"]),
+        "", work, args.timeout)["valid_loss"]
     saved["runs"]["pretrained"] = run
     saved["load"].append(round(os.getloadavg()[0], 1))
     for i, (name, (flags, rounding)) in enumerate(SETTINGS.items()):
-        save_dir = work / f"fine_tuned{i}"
+        save_dir = fresh(work / f"fine_tuned{i}")
         run = train(name, recipe_args(
             ["--data", str(data), "--save-dir", str(save_dir), "--pretrained", str(start),
              "--max-update", str(args.updates), "--lr", args.lr, "--log-interval", "100"],
@@ -140,13 +153,15 @@ def report(saved: dict, info: dict, meta: dict) -> str:
     runs = saved["runs"]
     directions = sorted(runs["pretrained"]["chrf"])
     last = max(runs[MASTER]["valid_loss"])
+    start = runs["pretrained"]["valid_loss"].get(1)
     lines = [
         BEGIN, "## bf16 weights without an fp32 master: fine-tuning quality (tiny model, CPU)",
         "", f"Command: `{meta['command']}` ({meta['date']}; `nice -n 10`). Machine: "
         f"{info['cores']} cores ({info['cpu']}), {info['memory_gib']} GiB, shared with other "
         f"work (load average {', '.join(map(str, saved['load']))} at the runs' ends); Python "
         f"{info['python']}, torch {info['torch']}, fairseq-fixed {info['fairseq']}; 2 ranks, "
-        f"gloo, FSDP2 per-layer. The demo's corpus and model (numbers in words, {PAIRS}, 4000 "
+        f"gloo, FSDP2 per-layer. The demo's corpus and model (numbers in words, "
+        f"{PAIRS.replace(',', ' and ')}, 4000 "
         f"training pairs each, 200 valid and 200 test; `transformer_nllb_tiny`), each command "
         f"line the recipe's (`recipes/finetune_nllb.py`, the demo's `--max-tokens 4000 --seed "
         f"1 --clip-norm 1.0`). Pretrained: {meta['pretrain_updates']} updates at lr 4e-3 with "
@@ -158,12 +173,13 @@ def report(saved: dict, info: dict, meta: dict) -> str:
         f"draw). The control: our run with the write-back rounded to nearest (the plugin's "
         f"test-only `RowChunkSteps.round_weights_to_nearest`, as stock fairseq's "
         f"`--memory-efficient-bf16` rounds, with nothing else changed). Validation loss: "
-        f"fairseq's (label-smoothed, base 2) at update {last}; chrF++: `python -m "
+        f"fairseq's (label-smoothed, base 2) at update {last}, the start's after one update at "
+        f"lr 1e-7 (fp32 masters); chrF++: `python -m "
         f"fairseq_fsdp2.evaluate` of the last checkpoint on the test split (beam 4, float32).",
         "", "| run | valid loss | " + " | ".join(f"chrF++ {d}" for d in directions)
         + " | wall s |", "|---|---:|" + "---:|" * len(directions) + "---:|"]
     for name, run in runs.items():
-        loss = run["valid_loss"].get(last)
+        loss = start if name == "pretrained" else run["valid_loss"].get(last)
         label = f"pretrained ({meta['pretrain_updates']} updates, the start)" \
             if name == "pretrained" else name
         lines.append(f"| {label} | {'-' if loss is None else f'{loss:.3f}'} | "
@@ -172,6 +188,8 @@ def report(saved: dict, info: dict, meta: dict) -> str:
     updates = sorted(runs[MASTER]["valid_loss"])
     lines += ["", "Validation loss during fine-tuning:", "",
               "| update | " + " | ".join(SETTINGS) + " |", "|---:|" + "---:|" * len(SETTINGS)]
+    if start is not None:
+        lines.append(f"| start | " + " | ".join(f"{start:.3f}" for _ in SETTINGS) + " |")
     lines += [f"| {n} | " + " | ".join(f"{runs[s]['valid_loss'].get(n, float('nan')):.3f}"
                                       for s in SETTINGS) + " |" for n in updates]
     lines += ["", differences(runs, directions, last), "", END]

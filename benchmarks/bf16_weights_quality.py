@@ -173,7 +173,8 @@ def report(saved: dict, info: dict, meta: dict) -> str:
         f"draw). The control: our run with the write-back rounded to nearest (the plugin's "
         f"test-only `RowChunkSteps.round_weights_to_nearest`, as stock fairseq's "
         f"`--memory-efficient-bf16` rounds, with nothing else changed). Validation loss: "
-        f"fairseq's (label-smoothed, base 2) at update {last}, the start's after one update at "
+        f"fairseq's (label-smoothed, base 2, printed to 3 decimals) at update {last}, the "
+        f"start's after one update at "
         f"lr 1e-7 (fp32 masters); chrF++: `python -m "
         f"fairseq_fsdp2.evaluate` of the last checkpoint on the test split (beam 4, float32).",
         "", "| run | valid loss | " + " | ".join(f"chrF++ {d}" for d in directions)
@@ -197,19 +198,33 @@ def report(saved: dict, info: dict, meta: dict) -> str:
 
 
 def differences(runs: dict, directions: list[str], last: int) -> str:
-    """Each bf16-weight run's distance from the fp32-master run at the end."""
-    def delta(name: str) -> str:
-        loss = runs[name]["valid_loss"][last] - runs[MASTER]["valid_loss"][last]
-        chrf = ", ".join(f"{runs[name]['chrf'][d] - runs[MASTER]['chrf'][d]:+.2f} ({d})"
-                         for d in directions)
-        return f"valid loss {loss:+.3f}, chrF++ {chrf}"
+    """Each run against the fp32-master run at update ``last``: the validation loss it gained
+    from the start (and its share of the masters' gain), its distance from the masters' loss
+    and chrF++; and the twin against ours (one draw of the rounding's own noise)."""
+    start = runs["pretrained"]["valid_loss"].get(1)
+    master = runs[MASTER]["valid_loss"][last]
+    lines = ["Against the fp32 masters at update " + str(last) + ":", "",
+             "| run | valid loss gained from the start | share of the masters' gain | valid "
+             "loss minus the masters' | " + " | ".join(f"chrF++ {d} minus the masters'"
+                                                     for d in directions) + " |",
+             "|---|---:|---:|---:|" + "---:|" * len(directions)]
+    if start is not None:
+        lines.append(f"| {MASTER} | {start - master:.3f} | 100% | - | "
+                     + " | ".join("-" for _ in directions) + " |")
+    for name in (OURS, TWIN, NEAREST):
+        loss = runs[name]["valid_loss"][last]
+        gained = "-" if start is None else f"{start - loss:.3f}"
+        share = "-" if start is None or start == master else \
+            f"{(start - loss) / (start - master):.0%}"
+        lines.append(f"| {name} | {gained} | {share} | {loss - master:+.3f} | " + " | ".join(
+            f"{runs[name]['chrf'][d] - runs[MASTER]['chrf'][d]:+.2f}" for d in directions)
+            + " |")
     twin = runs[TWIN]["valid_loss"][last] - runs[OURS]["valid_loss"][last]
-    return (f"Against the fp32 masters at update {last}: stochastic rounding {delta(OURS)}; "
-            f"its twin {delta(TWIN)}; rounded to nearest {delta(NEAREST)}. The twin "
-            f"against ours: valid loss {twin:+.3f}, chrF++ " + ", ".join(
-                f"{runs[TWIN]['chrf'][d] - runs[OURS]['chrf'][d]:+.2f} ({d})"
-                for d in directions) + ".")
-
+    lines += ["", f"The twin against ours (one draw of the rounding's own noise): valid loss "
+              f"{twin:+.3f}, chrF++ " + ", ".join(
+                  f"{runs[TWIN]['chrf'][d] - runs[OURS]['chrf'][d]:+.2f} ({d})"
+                  for d in directions) + "."]
+    return "\n".join(lines)
 
 
 def main(args: argparse.Namespace, command_line: str) -> int:

@@ -7,4 +7,6 @@ sweep (loss_sweep.py), the real NLLB-600M dimensions (nllb600m.py: the recipe's 
 moments in 32, 16 and 8 bits there (adam_stats_600m.py, timed in the ranks by update_timers.py),
 LoRA against full fine-tuning (lora_600m.py), asynchronous checkpoints (async_save_run.py, timed
 by async_save_timers.py), the optimizer step on local shards (optimizer_step.py), the moments'
-storage formats (moment_storage.py) and the vocabulary loss timed alone (loss_alone.py)."""
+storage formats (moment_storage.py), the vocabulary loss timed alone (loss_alone.py) and the
+fine-tuning quality of bf16 weights without an fp32 master (bf16_weights_quality.py, its ranks'
+write-back chosen by weight_rounding.py)."""

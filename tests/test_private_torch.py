@@ -453,6 +453,8 @@ NOT_TORCH = {
     "._get_options": "fairseq.optim.adafactor.Adafactor (optimizer/adafactor_state.py)",
     "._fields": "a namedtuple's (checkpoint/safe_load.py)",
     "._reconstruct": "numpy's multiarray module (checkpoint/safe_load.py)",
+    "._sync_stats": "fairseq.trainer.Trainer, whose sample-size sum the step in backward makes "
+                    "as train_step does (trainer/fsdp2_trainer.py)",
 }
 
 

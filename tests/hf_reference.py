@@ -16,6 +16,11 @@ test-only transformers on its path (never in the pytest process or the fairseq r
           ``texts_by_lang``), its whole vocabulary (token -> id) and the ``generated`` tokens
           decoded to text, when MODEL_DIR has a tokenizer (tokenizer.json);
         - the config's ``vocab_size``.
+    python hf_reference.py serve
+        both, one request a line on stdin (``make SPM_MODEL OUT_DIR REQUEST.json RESULT.json``
+        or ``check MODEL_DIR REQUEST.json RESULT.json``, JSON lists), one answer a line on
+        stdout (``ok`` or the error): one process, whose imports (torch, transformers: seconds)
+        a test module pays once for its ``make`` and its ``check``.
 """
 import copy
 import json
@@ -82,12 +87,28 @@ def check(model_dir: Path, request: dict) -> dict:
     return dict(compute(model, tokenizer, request), vocab_size=model.config.vocab_size)
 
 
-if __name__ == "__main__":
-    torch.set_num_threads(1)
-    if sys.argv[1] == "make":
-        spm, out, req, res = sys.argv[2:]
+def run(argv: list[str]) -> None:
+    """One ``make`` or ``check`` (the command line's words), its result written."""
+    if argv[0] == "make":
+        spm, out, req, res = argv[1:]
         result = make(spm, Path(out), json.loads(Path(req).read_text()))
     else:
-        model_dir, req, res = sys.argv[2:]
+        model_dir, req, res = argv[1:]
         result = check(Path(model_dir), json.loads(Path(req).read_text()))
     Path(res).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    if sys.argv[1] != "serve":
+        run(sys.argv[1:])
+        sys.exit(0)
+    for line in sys.stdin:
+        try:
+            run(json.loads(line))
+            answer = "ok"
+        except Exception as e:  # the test shows it, with the traceback on stderr
+            import traceback
+            traceback.print_exc()
+            answer = f"{type(e).__name__}: {e}".replace("\n", " ")
+        print(answer, flush=True)

@@ -44,7 +44,17 @@ def run(tmp_path_factory):
     return root, data, save
 
 
-def stock_generate(data, checkpoint, direction: str, beam: int = 4) -> dict[str, list]:
+#: the length limit of the greedy comparisons (fairseq-generate's --max-len-b, CTranslate2's
+#: max_decoding_length, evaluate's --max-len-b): greedy decoding of this barely trained model
+#: repeats pieces up to the limit (199 pieces a sentence at NLLB's 200, where beam 4 ends at
+#: 10-17); the comparisons are token for token on both sides under the same limit, so 40 (about
+#: twice the longest test reference, 22 pieces) keeps every whole translation and 40 positions
+#: of a runaway one, at a fifth of the decoding
+GREEDY_MAX_LEN = 40
+
+
+def stock_generate(data, checkpoint, direction: str, beam: int = 4,
+                   max_len_b: int = 200) -> dict[str, list]:
     """Stock fairseq-generate (no plugin in its process) with NLLB's settings written out here,
     not taken from the code under test: fairseq's NLLB evaluation (generate_multi.py) runs
     --beam 4 --max-sentences 50 --bpe sentencepiece, lenpen and max length at their defaults.
@@ -57,7 +67,8 @@ def stock_generate(data, checkpoint, direction: str, beam: int = 4) -> dict[str,
         "--lang-pairs", (data / "lang_pairs.txt").read_text().strip(),
         "--langs", (data / "langs.txt").read_text().strip(),
         "--encoder-langtok", "src", "--decoder-langtok", "--gen-subset", "test",
-        "--beam", beam, "--lenpen", 1, "--max-len-a", 0, "--max-len-b", 200, "--batch-size", 50,
+        "--beam", beam, "--lenpen", 1, "--max-len-a", 0, "--max-len-b", max_len_b,
+        "--batch-size", 50,
         "--required-batch-size-multiple", 1,  # else fairseq drops a last batch: see generation.py
         "--bpe", "sentencepiece", "--sentencepiece-model", data / "spm.model", "--cpu",
         "--num-workers", 0)
@@ -282,7 +293,8 @@ def ct2_greedy_pieces(model_dir, raw, direction: str) -> list[str]:
     translator = ctranslate2.Translator(str(model_dir), device="cpu")
     results = translator.translate_batch(
         [[f"__{src}__"] + sp.encode(s, out_type=str) for s in sources],
-        target_prefix=[[f"__{tgt}__"]] * len(sources), beam_size=1, max_decoding_length=200)
+        target_prefix=[[f"__{tgt}__"]] * len(sources), beam_size=1,
+        max_decoding_length=GREEDY_MAX_LEN)  # fairseq-generate's --max-len-b
     assert all(r.hypotheses[0][0] == f"__{tgt}__" for r in results)
     # fairseq leaves the target tag out of its output wherever the model wrote it
     return [" ".join(t for t in r.hypotheses[0] if t != f"__{tgt}__") for r in results]
@@ -316,7 +328,8 @@ def test_ctranslate2_export_holds_the_weights_and_decodes_as_fairseq_greedy(run,
     assert len(seen) > 30  # the tiny model's weights, not a handful
     agree = total = 0
     for direction in DIRECTIONS:
-        stock = stock_generate(data, checkpoint, direction, beam=1)
+        stock = stock_generate(data, checkpoint, direction, beam=1,
+                               max_len_b=GREEDY_MAX_LEN)
         ct2 = ct2_greedy_pieces(ct2_float32, root / "raw", direction)
         agree += sum(a == b for a, b in zip(ct2, stock["H"]))
         total += len(stock["H"])
@@ -360,7 +373,8 @@ def test_a_lora_checkpoint_exports_and_greedy_decodes_as_its_merged_export(run, 
     assert consolidate.main([str(lora / "checkpoint_last.pt"), str(out),
                              "--format", "ctranslate2"]) == 0
     direction = DIRECTIONS[0]
-    stock = stock_generate(data, lora / "checkpoint_last_consolidated.pt", direction, beam=1)
+    stock = stock_generate(data, lora / "checkpoint_last_consolidated.pt", direction, beam=1,
+                           max_len_b=GREEDY_MAX_LEN)
     ct2 = ct2_greedy_pieces(out, root / "raw", direction)
     agree = sum(a == b for a, b in zip(ct2, stock["H"]))
     assert agree >= GREEDY_AGREEMENT * len(ct2), f"{agree} of {len(ct2)} agree"
@@ -387,7 +401,8 @@ def test_a_checkpoint_with_an_added_language_exports_and_translates_it(run, tmp_
     assert "__lat_Latn__" in vocabulary and len(vocabulary) > len(
         (data / "dict.txt").read_text().splitlines())
     direction = "eng_Latn-lat_Latn"
-    stock = stock_generate(grown, ckpt / "checkpoint_last_consolidated.pt", direction, beam=1)
+    stock = stock_generate(grown, ckpt / "checkpoint_last_consolidated.pt", direction, beam=1,
+                           max_len_b=GREEDY_MAX_LEN)
     ct2 = ct2_greedy_pieces(out, tmp_path / "raw", direction)
     agree = sum(a == b for a, b in zip(ct2, stock["H"]))
     assert agree >= GREEDY_AGREEMENT * len(ct2), f"{agree} of {len(ct2)} agree"
@@ -399,7 +414,8 @@ def test_under_torchrun_the_ranks_share_the_directions(run, tmp_path):
     the report, and the scores are one process's."""
     root, data, save = run
     model = save / "checkpoint_last_consolidated.pt"
-    args = [data, model, "--beam", 1, "--no-progress", "--device", "cpu"]
+    args = [data, model, "--beam", 1, "--max-len-b", GREEDY_MAX_LEN, "--no-progress",
+            "--device", "cpu"]
     results = run_ranks(2, lambda rank: [str(a) for a in args + ["--out", tmp_path / "two"]],
                         module="fairseq_fsdp2.evaluate")
     ok(results)

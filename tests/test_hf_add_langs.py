@@ -24,11 +24,11 @@ import pytest
 import sentencepiece as spm
 import torch
 
-from conftest import PLUGIN, need_fixture_dep
+from conftest import PLUGIN
 from launcher import finish_ranks, ok, start_ranks, train_inner
 from hf_compare import (as_float64, assert_logits_close, assert_same_greedy_choices, greedy,
                         greedy_gaps)
-from test_hf_nllb import MAX_LEN, TINY, finish, reference
+from test_hf_nllb import MAX_LEN, TINY, hf_side  # noqa: F401  (the module's transformers side)
 
 from fairseq_fsdp2.models.nllb_languages import lang_of_token
 from fairseq_fsdp2.consolidate import main as consolidate_main
@@ -50,8 +50,7 @@ def flags(data: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def grown(tmp_path_factory):
-    need_fixture_dep("transformers", "for the reference side")
+def grown(hf_side, tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_add_langs")
     numbers.write_corpus(root / "hub_raw", [("eng_Latn", "fra_Latn")], n_train=600, n_valid=0,
                          n_test=0, seed=2)
@@ -62,7 +61,8 @@ def grown(tmp_path_factory):
                "src": [[148, 10, 2]], "prev": [[2, 10]], "gen_src": [], "max_new_tokens": 1,
                "texts": []}
     (root / "request.json").write_text(json.dumps(request))
-    finish(reference("make", hub_spm, root / "hub", root / "request.json", root / "hub.json"))
+    hf_side.ask("make", hub_spm, root / "hub", root / "request.json", root / "hub.json")
+    hf_side.answer()
     hub = root / "hub"
 
     numbers.write_corpus(root / "raw", [PAIR], n_train=800, n_valid=0, n_test=24, seed=3)
@@ -137,7 +137,7 @@ def test_dictionary_and_sentencepiece_model_are_grown(grown):
 
 
 def test_export_loads_in_transformers_tokenizes_the_new_language_and_generates_alike(
-        grown, tmp_path):
+        grown, hf_side, tmp_path):
     cfg, task, model = task_and_model(grown.data, grown.checkpoint)
     d = task.source_dictionary
     sp = spm.SentencePieceProcessor(model_file=str(grown.data / "spm.model"))
@@ -156,7 +156,8 @@ def test_export_loads_in_transformers_tokenizes_the_new_language_and_generates_a
                "prev": [[2, lat, 10], [2, lat, 11]],
                "gen_src": sources, "tgt_lang_id": lat, "max_new_tokens": MAX_LEN + 1}
     (tmp_path / "request.json").write_text(json.dumps(request))
-    finish(reference("check", grown.out, tmp_path / "request.json", tmp_path / "result.json"))
+    hf_side.ask("check", grown.out, tmp_path / "request.json", tmp_path / "result.json")
+    hf_side.answer()
     result = json.loads((tmp_path / "result.json").read_text())
 
     assert result["vocab_size"] == len(d) > json.loads(

@@ -26,6 +26,7 @@ import filecmp
 import json
 import math
 import re
+import select
 import shlex
 import shutil
 import subprocess
@@ -56,21 +57,44 @@ MAX_LEN = 12  # fairseq-generate --max-len-b: tokens before the forced end of se
 
 
 
-def reference(*args, timeout=300) -> subprocess.Popen:
-    env = base_env({"PYTHONPATH": str(FIXTURE_DEPS)})
-    return subprocess.Popen([sys.executable, str(TESTS / "hf_reference.py"), *map(str, args)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+class Reference:
+    """tests/hf_reference.py's ``serve``: the transformers side in its own process, one per
+    test module (its torch and transformers imports, seconds, paid once for the module's
+    ``make`` and ``check``). ``ask`` sends a request; ``answer`` waits for it to be done."""
 
+    def __init__(self, log: Path):
+        self.log = log
+        with open(log, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(TESTS / "hf_reference.py"), "serve"],
+                env=base_env({"PYTHONPATH": str(FIXTURE_DEPS)}), stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=err, text=True)
 
-def finish(proc: subprocess.Popen, timeout=300) -> str:
-    out, _ = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, out[-4000:]
-    return out
+    def ask(self, *args) -> None:
+        self.proc.stdin.write(json.dumps([str(a) for a in args]) + "\n")
+        self.proc.stdin.flush()
+
+    def answer(self, timeout: float = 300) -> None:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else f"no answer in {timeout} s"
+        assert line.strip() == "ok", f"{line.strip()}\n{self.log.read_text()[-4000:]}"
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        if self.proc.wait(60) != 0:
+            raise AssertionError(self.log.read_text()[-4000:])
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory):
+def hf_side(tmp_path_factory):
     need_fixture_dep("transformers", "for the reference side")
+    reference = Reference(tmp_path_factory.mktemp("hf_side") / "stderr.log")
+    yield reference
+    reference.close()
+
+
+@pytest.fixture(scope="module")
+def hub(hf_side, tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_nllb")
     numbers.write_corpus(root / "raw", [PAIR], n_train=600, n_valid=30, n_test=30, seed=2)
     texts = [line for lang in PAIR
@@ -82,7 +106,8 @@ def hub(tmp_path_factory):
                "gen_src": [], "max_new_tokens": 1,
                "texts": ["one hundred and twelve", "seven thousand", "ninety-nine"]}
     (root / "request.json").write_text(json.dumps(request))
-    finish(reference("make", spm_model, root / "hub", root / "request.json", root / "hub.json"))
+    hf_side.ask("make", spm_model, root / "hub", root / "request.json", root / "hub.json")
+    hf_side.answer()
     data = prepare(root / "raw", root / "data", hf_model=root / "hub", log=lambda *a: None)
     return SimpleNamespace(root=root, dir=root / "hub", data=data, request=request,
                            result=json.loads((root / "hub.json").read_text()))
@@ -313,7 +338,7 @@ def test_lora_from_the_hf_directory_through_finetune_nllb_sh(hub, finetuned):
 
 
 @pytest.mark.slow
-def test_export_loads_in_transformers_and_matches_fairseq(hub, finetuned, tmp_path):
+def test_export_loads_in_transformers_and_matches_fairseq(hub, hf_side, finetuned, tmp_path):
     from fairseq.data import data_utils
 
     sharded_ckpt = finetuned.save / "checkpoint_last.pt"
@@ -340,7 +365,7 @@ def test_export_loads_in_transformers_and_matches_fairseq(hub, finetuned, tmp_pa
     request = dict(hub.request, gen_src=sources, tgt_lang_id=d.index(f"__{PAIR[1]}__"),
                    max_new_tokens=MAX_LEN + 1)
     (tmp_path / "request.json").write_text(json.dumps(request))
-    hf = reference("check", out, tmp_path / "request.json", tmp_path / "result.json")
+    hf_side.ask("check", out, tmp_path / "request.json", tmp_path / "result.json")
     # stock fairseq-generate (a process that never imports the plugin), beside transformers,
     # one sentence per batch (--batch-size 1): the very float32 computation that fairseq's
     # generator makes for one sentence in this process (the same code, weights, shapes and one
@@ -352,7 +377,7 @@ def test_export_loads_in_transformers_and_matches_fairseq(hub, finetuned, tmp_pa
         "--source-lang", PAIR[0], "--target-lang", PAIR[1], "--gen-subset", "test",
         "--beam", "1", "--max-len-a", "0", "--max-len-b", MAX_LEN, "--batch-size", "1",
         "--required-batch-size-multiple", "1", "--cpu", "--num-workers", "0")
-    finish(hf)
+    hf_side.answer()
     (generate,) = finish_ranks([gen], timeout=240)
     generated = generate.output
     assert generate.returncode == 0 and "fairseq_fsdp2" not in generated, generated[-3000:]

@@ -25,6 +25,7 @@ the flag) is widened at its next step and then stored as this run asks.
 """
 from __future__ import annotations
 
+import contextlib
 from itertools import chain
 from typing import Optional
 
@@ -93,6 +94,11 @@ BUCKET_MIN = 1 << 22
 KEEP_MAX = 1 << 20
 
 
+def has_narrow_grads(params) -> bool:
+    """Whether any of ``params`` holds a 16-bit gradient shard (sixteen_bit_grads.py)."""
+    return any(p.grad is not None and p.grad.dtype in SIXTEEN_BIT_GRADS for p in params)
+
+
 class StoredMoments(RowChunkSteps):
     """Mixin for fairseq's Adam (a torch optimizer): its moments stored in the format
     ``moments`` between steps (float32: as fairseq keeps them; a state of another format
@@ -131,12 +137,29 @@ class StoredMoments(RowChunkSteps):
                                          narrow_grads, self.mixed_state_loaded,
                                          self.bf16_weights)
 
+    def fairseqs_own_step(self, narrow_grads: bool) -> bool:
+        """Whether fairseq's own step serves as it is: nothing widened or narrowed (float32
+        moments, no other format loaded, no 16-bit gradients: ``narrow_grads``, float32
+        weights)."""
+        return not (self.moments.widened_bytes or self.mixed_state_loaded or narrow_grads
+                    or self.bf16_weights)
+
+    @contextlib.contextmanager
+    def params_swapped(self):
+        """Within (given the groups' own lists): the param groups' parameter lists may be
+        replaced (a step of some of them); on exit, each group has its own list back."""
+        groups = [group["params"] for group in self.param_groups]
+        try:
+            yield groups
+        finally:
+            for group, params in zip(self.param_groups, groups):
+                group["params"] = params
+
     def step(self, closure=None):
-        narrow_grads = any(p.grad is not None and p.grad.dtype in SIXTEEN_BIT_GRADS
-                           for group in self.param_groups for p in group["params"])
-        if not self.moments.widened_bytes and not self.mixed_state_loaded and \
-                not narrow_grads and not self.bf16_weights:
-            return super().step(closure)  # nothing widened or narrowed: fairseq's own step
+        narrow_grads = has_narrow_grads(p for group in self.param_groups
+                                        for p in group["params"])
+        if self.fairseqs_own_step(narrow_grads):
+            return super().step(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -145,8 +168,7 @@ class StoredMoments(RowChunkSteps):
             self.step_in_row_chunks()
             self.mixed_state_loaded = False
             return loss
-        groups = [group["params"] for group in self.param_groups]
-        try:
+        with self.params_swapped() as groups:
             for group in self.param_groups:
                 group["params"] = []
             index = 0
@@ -164,9 +186,6 @@ class StoredMoments(RowChunkSteps):
                     super().step()
                     group["params"] = []
                     self._narrow(bucket, kept)
-        finally:
-            for group, params in zip(self.param_groups, groups):
-                group["params"] = params
         self.mixed_state_loaded = False
         return loss
 
@@ -176,21 +195,17 @@ class StoredMoments(RowChunkSteps):
         all of them would: the same path (``step``'s: fairseq's own or row-chunked; a
         ``mixed_state_loaded`` is kept for the others, the step after backward clears it), the
         same random streams (by place), each parameter's arithmetic its own (elementwise)."""
-        narrow = any(p.grad is not None and p.grad.dtype in SIXTEEN_BIT_GRADS for *_, p in only)
+        narrow = has_narrow_grads(p for *_, p in only)
         if self.steps_in_row_chunks(narrow):
             self.step_in_row_chunks(only)
             return
-        if self.moments.widened_bytes or self.mixed_state_loaded or narrow or self.bf16_weights:
+        if not self.fairseqs_own_step(narrow):
             raise NotImplementedError("a bucketed step (fp16 moments, amsgrad) steps all "
                                       "parameters at once")  # settings refuses these
-        groups = [group["params"] for group in self.param_groups]
-        try:
+        with self.params_swapped():
             for number, group in enumerate(self.param_groups):
                 group["params"] = [p for g, _, p in only if g == number]
             super().step()  # fairseq's own, on the local shards (local_shard_step.py)
-        finally:
-            for group, params in zip(self.param_groups, groups):
-                group["params"] = params
 
     def _numel(self, p: torch.Tensor) -> int:
         if self._numels is None:

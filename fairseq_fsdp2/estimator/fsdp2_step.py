@@ -40,11 +40,11 @@ class _FSDP2Step:
         self.gb = self.rb if setup.narrow_grads else self.wb
         self.shards = setup.world_size // setup.replicate_degree
         self.units = {u.name: u for u in profile.units}
-        self.local, self.padded, self.largest, self.unit_largest = {}, {}, 0, {}
+        self.local, self.padded, self.unit_largest = {}, {}, {}
         for u in profile.units:
-            self.local[u.name], self.padded[u.name], big = unit_sizes(u, self.shards, rank)
-            self.largest = max(self.largest, big)
-            self.unit_largest[u.name] = big
+            self.local[u.name], self.padded[u.name], self.unit_largest[u.name] = unit_sizes(
+                u, self.shards, rank)
+        self.largest = max(self.unit_largest.values(), default=0)
         self.full = {n: self.padded[n] * self.c for n in self.units}
         # what trains (LoRA: the adapters; lora.py), and the frozen rest's sharded elements
         lora = trained_sizes(profile, self.shards, rank)
@@ -277,12 +277,13 @@ class _FSDP2Step:
             self.reshard(name)
         # optimizer step (the update's temporaries, for the largest shard; in backward already
         # but for the tied weight's shard where it was reduced early)
-        left = self.grad_largest, elements
-        if s.step_in_backward:
-            rows = shard_rows(V, self.shards, self.rank)[0] * d if self.early else 0
-            left = rows, rows
-        led.moment("optimizer step", optim=step_temporary_bytes(s, *left)
-                   if self.on_device and (left[1] or not s.step_in_backward) else 0)
+        optim = 0
+        if self.on_device and not s.step_in_backward:
+            optim = step_temporary_bytes(s, self.grad_largest, elements)
+        elif self.on_device and self.early:
+            rows = shard_rows(V, self.shards, self.rank)[0] * d
+            optim = step_temporary_bytes(s, rows, rows) if rows else 0
+        led.moment("optimizer step", optim=optim)
         return led
 
     def forward(self) -> None:

@@ -306,6 +306,15 @@ def ct2_greedy_pieces(model_dir, raw, direction: str) -> list[str]:
 GREEDY_AGREEMENT = 0.95
 
 
+def greedy_agreement(model_dir, data, checkpoint, raw, direction: str) -> tuple[int, int]:
+    """(sentences whose greedy pieces agree, sentences): CTranslate2's export in ``model_dir``
+    against fairseq-generate --beam 1 of ``checkpoint``, on ``direction``'s test sources."""
+    stock = stock_generate(data, checkpoint, direction, beam=1, max_len_b=GREEDY_MAX_LEN)
+    ct2 = ct2_greedy_pieces(model_dir, raw, direction)
+    assert len(ct2) == len(stock["H"]), (len(ct2), len(stock["H"]))  # every sentence, both
+    return sum(a == b for a, b in zip(ct2, stock["H"])), len(stock["H"])
+
+
 def test_ctranslate2_export_holds_the_weights_and_decodes_as_fairseq_greedy(run, ct2_float32):
     from ct2_model_file import read
     from fairseq_fsdp2.checkpoint.safe_load import read_checkpoint_file
@@ -326,13 +335,9 @@ def test_ctranslate2_export_holds_the_weights_and_decodes_as_fairseq_greedy(run,
             for v in variables.values() if v.ndim == want.ndim and v.ndim > 0)
         assert found, f"{name} is not in {ct2_float32 / 'model.bin'} as it is in the checkpoint"
     assert len(seen) > 30  # the tiny model's weights, not a handful
-    agree = total = 0
-    for direction in DIRECTIONS:
-        stock = stock_generate(data, checkpoint, direction, beam=1,
-                               max_len_b=GREEDY_MAX_LEN)
-        ct2 = ct2_greedy_pieces(ct2_float32, root / "raw", direction)
-        agree += sum(a == b for a, b in zip(ct2, stock["H"]))
-        total += len(stock["H"])
+    counts = [greedy_agreement(ct2_float32, data, checkpoint, root / "raw", direction)
+              for direction in DIRECTIONS]
+    agree, total = sum(a for a, _ in counts), sum(n for _, n in counts)
     assert agree >= GREEDY_AGREEMENT * total, f"{agree} of {total} agree"
 
 
@@ -372,12 +377,9 @@ def test_a_lora_checkpoint_exports_and_greedy_decodes_as_its_merged_export(run, 
     out = tmp_path / "ct2"
     assert consolidate.main([str(lora / "checkpoint_last.pt"), str(out),
                              "--format", "ctranslate2"]) == 0
-    direction = DIRECTIONS[0]
-    stock = stock_generate(data, lora / "checkpoint_last_consolidated.pt", direction, beam=1,
-                           max_len_b=GREEDY_MAX_LEN)
-    ct2 = ct2_greedy_pieces(out, root / "raw", direction)
-    agree = sum(a == b for a, b in zip(ct2, stock["H"]))
-    assert agree >= GREEDY_AGREEMENT * len(ct2), f"{agree} of {len(ct2)} agree"
+    agree, total = greedy_agreement(out, data, lora / "checkpoint_last_consolidated.pt",
+                                    root / "raw", DIRECTIONS[0])
+    assert agree >= GREEDY_AGREEMENT * total, f"{agree} of {total} agree"
 
 
 def test_a_checkpoint_with_an_added_language_exports_and_translates_it(run, tmp_path):
@@ -400,12 +402,9 @@ def test_a_checkpoint_with_an_added_language_exports_and_translates_it(run, tmp_
     vocabulary = json.loads((out / "shared_vocabulary.json").read_text())
     assert "__lat_Latn__" in vocabulary and len(vocabulary) > len(
         (data / "dict.txt").read_text().splitlines())
-    direction = "eng_Latn-lat_Latn"
-    stock = stock_generate(grown, ckpt / "checkpoint_last_consolidated.pt", direction, beam=1,
-                           max_len_b=GREEDY_MAX_LEN)
-    ct2 = ct2_greedy_pieces(out, tmp_path / "raw", direction)
-    agree = sum(a == b for a, b in zip(ct2, stock["H"]))
-    assert agree >= GREEDY_AGREEMENT * len(ct2), f"{agree} of {len(ct2)} agree"
+    agree, total = greedy_agreement(out, grown, ckpt / "checkpoint_last_consolidated.pt",
+                                    tmp_path / "raw", "eng_Latn-lat_Latn")
+    assert agree >= GREEDY_AGREEMENT * total, f"{agree} of {total} agree"
 
 
 

@@ -430,7 +430,8 @@ def test_peak_memory_at_nllb_vocabulary():
 # Per configuration: the stock path (stock criterion, --fsdp2-no-tied-grad-buffer) and some of:
 # the stock criterion with the tied-gradient buffer (now the default), the fused chunked
 # criterion with it, the fused criterion without it.
-# Each run counts update 2's all-gathers (tests/probes/count_all_gathers.py).
+# Each run counts update 2's all-gathers per unit (tests/probes/count_all_gathers.py: through
+# the plugin's gloo all-gather, wrapped for that update).
 
 FSDP2_CONFIGS = {  # configuration: (its flags, the variants run besides "stock")
     "fp32, root default, update-freq 2, activation checkpointing":

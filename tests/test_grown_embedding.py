@@ -2,15 +2,16 @@
 
 A tiny "pretrained" model (FSDP2, 1 rank, 1 update) has a 56-row tied embedding; the data's
 dictionary is grown to 61 entries (a new language code __lat_Latn__ and four words). 61 divides
-by none of 3, 4 and 8: FSDP2 cuts the grown embedding into uneven shards (3 ranks: 21, 21, 19
-rows; 4 ranks: 16, 16, 16, 13; 8 ranks: seven of 8 and, on the last rank, exactly the 5 new
-rows). PyTorch reported tied weights under uneven sharding whose last rank's rows were never
-updated (pytorch #176076). Here one SGD update from the grown model at 3, 4 and 8 ranks (each
-one shared run) is compared row by row with stock fairseq's legacy_ddp run from the same grown
-weights (grown offline by the same rule, written as a stock checkpoint): every row that receives
-a gradient changes, and equals the stock run's row within the float32 bound derived in
-``row_tolerance``. A 2-rank run with lr 0 from the pretrained model's sharded checkpoint shows
-the rows as loaded: the pretrained ones bit for bit, the new ones by the stated rule.
+by neither 3 nor 8: FSDP2 cuts the grown embedding into uneven shards (3 ranks: 21, 21, 19 rows,
+the last rank's a shorter mix of pretrained and new rows, every rank a batch; 8 ranks: seven of
+8 and, on the last rank, exactly the 5 new rows, five ranks with empty batches). PyTorch reported
+tied weights under uneven sharding whose last rank's rows were never updated (pytorch #176076).
+Here one SGD update from the grown model at 3 and 8 ranks (each one shared run) is compared
+row by row with stock fairseq's legacy_ddp run from the same grown weights (grown offline by the
+same rule, written as a stock checkpoint): every row that receives a gradient changes, and
+equals the stock run's row within the float32 bound derived in ``row_tolerance``. A 2-rank run
+with lr 0 from the pretrained model's sharded checkpoint shows the rows as loaded: the
+pretrained ones bit for bit, the new ones by the stated rule.
 """
 from __future__ import annotations
 
@@ -42,7 +43,9 @@ NEW = ["__lat_Latn__"] + [f"w{i}" for i in range(OLD_WORDS, OLD_WORDS + NEW_WORD
 OLD_ROWS, ROWS = SPECIALS + len(OLD), SPECIALS + len(OLD) + len(NEW)
 LR = 0.5
 SENTENCES, BATCH = 12, 4  # three batches: one per rank on 3 ranks; more ranks: empty batches
-WORLDS = (3, 4, 8)
+#: 4 ranks (16, 16, 16, 13 rows, one empty batch) would repeat these two cases' layouts: a
+#: shorter last shard mixing pretrained and new rows (3), ranks with empty batches (8)
+WORLDS = (3, 8)
 INIT = ["--init-new-langs-from", "eng_Latn"]
 
 

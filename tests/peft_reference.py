@@ -1,5 +1,6 @@
 """The PEFT side of tests/test_lora.py: a program run in its own process with the test-only
-transformers and peft on its path (never in the pytest process or the fairseq ranks).
+transformers and peft on its path (never in the pytest process or the fairseq ranks; the test
+forks it from the test server, ``python -m peft_reference`` with tests/ on the path).
 
     python peft_reference.py BASE_HF_DIR ADAPTER_DIR REQUEST.json RESULT.json
         load BASE_HF_DIR with transformers' M2M100ForConditionalGeneration.from_pretrained, the

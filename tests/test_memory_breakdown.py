@@ -2,11 +2,13 @@
 the tied-gradient buffer (one gradient buffer for the tied embedding; the default,
 --fsdp2-no-tied-grad-buffer turns it off).
 
-Two real 2-rank fairseq-train runs share the work: an NLLB-layout model (grouped shared-
+Three real 2-rank fairseq-train runs share the work: an NLLB-layout model (grouped shared-
 embedding unit plus per-layer units) on a 20,000-word vocabulary, so that the tied
 vocab x dim weight is most of the model, with the chunked loss (its logits stay small, so the
 tied gradient decides the peak). One run is the stock FSDP2 path (saving: the JSON is written),
-the other uses the tied-gradient buffer (--no-save: the table is only printed).
+the others use the tied-gradient buffer (--no-save: the table is only printed), reduced by
+FSDP2 (--fsdp2-no-tied-early-reduce) and early (the default): that pair also serves
+tests/test_tied_early_reduce.py's fp32 check of the early reduce against FSDP2's reduction.
 """
 from __future__ import annotations
 
@@ -34,13 +36,14 @@ from fairseq_fsdp2.options import FSDP2DistributedTrainingConfig, validate
 VOCAB, DIM = 20_000, 64  # transformer_nllb_tiny's dim
 TIED_BYTES = VOCAB * DIM * 4  # one fp32 vocab x dim gradient (5.1 MB)
 UPDATE = 2
+MAX_TOKENS = 144
 
 
 def train_args(data: Path, save_dir: Path, *extra: str) -> list[str]:
     return [str(data), "--user-dir", PLUGIN, "--task", "translation",
             "--arch", "transformer_nllb_tiny", "--optimizer", "adam", "--lr", "1e-3",
             "--criterion", "label_smoothed_cross_entropy_chunked", "--loss-chunk-tokens", "16",
-            "--label-smoothing", "0.1", "--max-tokens", "144", "--max-update", "3",
+            "--label-smoothing", "0.1", "--max-tokens", str(MAX_TOKENS), "--max-update", "3",
             "--log-format", "json", "--log-interval", "1", "--seed", "1", "--cpu",
             "--no-progress-bar", "--disable-validation", "--save-dir", str(save_dir),
             "--no-epoch-checkpoints", "--no-last-checkpoints", "--fsdp2-no-consolidate",
@@ -155,6 +158,30 @@ def test_tied_early_reduce_trains_the_same_and_costs_at_most_the_shard(runs):
               f"gradient: {TIED_BYTES})")
         assert grads_max <= 1.3 * TIED_BYTES  # the one buffer, never more
         assert peak <= peak_buffer + TIED_BYTES / 2
+
+
+@pytest.mark.slow
+def test_tied_early_reduce_matches_fsdp2s_reduction_in_fp32(runs):
+    """tests/test_tied_early_reduce.py's fairseq-train check in fp32, on these runs (its fp16
+    case runs there): per update, loss and gradient norm of the early reduce against FSDP2
+    reducing the buffer (--fsdp2-no-tied-early-reduce), fused chunked loss, 2 ranks.
+
+    The rows' exchange is what runs: each rank's lookups are at most 2 x MAX_TOKENS rows
+    (source and target tokens), and 2 ranks' of them fit the dense gradient's bytes (asserted
+    with the rule itself). DERIVED tolerance (as there): the two runs differ only in how the tied weight's
+    gradient is grouped: FSDP2 sums (projection + src lookup + tgt lookup) per rank, then over
+    the 2 ranks; the early reduce the projections over the ranks, then each lookup's rows (the
+    projection's chunks summed alike, into the same buffer, in both). Each lookup's rows one
+    term: 6 terms per element, each addition rounding by at most u of the terms' magnitude in
+    either order: 2 x (6 + 1) x U32 per element, which moves the gradient norm and Adam's step
+    by at most that fraction (the triangle inequality; m / sqrt(v) per element), over these 3
+    updates."""
+    from fairseq_fsdp2.sharding.tied_grad_reduce import sparse_fits
+    assert sparse_fits(2 * 2 * MAX_TOKENS, DIM, 4, VOCAB)
+    early, buffer = runs["early"]["output"], runs["buffer"]["output"]
+    assert "reduced into this rank's shard" in early
+    assert "reduced into this rank's shard" not in buffer
+    assert_runs_close(early, buffer, 2 * (6 + 1) * U32, 3)
 
 
 def printed_table(output: str) -> dict[str, list[tuple[float, float]]]:

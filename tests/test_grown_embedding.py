@@ -1,17 +1,17 @@
 """Fine-tuning into a bigger shared embedding (checkpoint/grown_embedding.py), for real.
 
-A tiny "pretrained" model (FSDP2, 1 rank, 1 update) has a 56-row tied embedding; the data's
-dictionary is grown to 61 entries (a new language code __lat_Latn__ and four words). 61 divides
-by neither 3 nor 8: FSDP2 cuts the grown embedding into uneven shards (3 ranks: 21, 21, 19 rows,
-the last rank's a shorter mix of pretrained and new rows, every rank a batch; 8 ranks: seven of
-8 and, on the last rank, exactly the 5 new rows, five ranks with empty batches). PyTorch reported
-tied weights under uneven sharding whose last rank's rows were never updated (pytorch #176076).
-Here one SGD update from the grown model at 3 and 8 ranks (each one shared run) is compared
-row by row with stock fairseq's legacy_ddp run from the same grown weights (grown offline by the
-same rule, written as a stock checkpoint): every row that receives a gradient changes, and
-equals the stock run's row within the float32 bound derived in ``row_tolerance``. A 2-rank run
-with lr 0 from the pretrained model's sharded checkpoint shows the rows as loaded: the
-pretrained ones bit for bit, the new ones by the stated rule.
+A tiny "pretrained" model (FSDP2, 1 rank, 1 update) has a 54-row tied embedding; the data's
+dictionary is grown to 70 entries (a new language code __lat_Latn__ and 15 words). 70 divides
+by neither 3 nor 4: FSDP2 cuts the grown embedding into uneven shards (3 ranks: 24, 24, 22 rows,
+the last rank's a shorter mix of pretrained and new rows, every rank a batch; 4 ranks: three of
+18 and, on the last rank, exactly the 16 new rows, one rank with an empty batch). PyTorch
+reported tied weights under uneven sharding whose last rank's rows were never updated (pytorch
+#176076). Here one SGD update from the grown model at 3 and 4 ranks (each one shared run) is
+compared row by row with stock fairseq's legacy_ddp run from the same grown weights (grown
+offline by the same rule, written as a stock checkpoint): every row that receives a gradient
+changes, and equals the stock run's row within the float32 bound derived in ``row_tolerance``.
+A 2-rank run with lr 0 from the pretrained model's sharded checkpoint shows the rows as loaded:
+the pretrained ones bit for bit, the new ones by the stated rule.
 """
 from __future__ import annotations
 
@@ -35,17 +35,18 @@ from fairseq_fsdp2.options import new_lang_sources
 
 EMBEDDING = FAIRSEQ_EMBEDDING[0]
 SPECIALS = 4
-OLD_WORDS, NEW_WORDS = 50, 4
-#: the pretrained dictionary: fairseq's 4 specials, two language codes, 50 words (56 rows);
-#: grown: + a new language code and 4 new words (61 rows)
+OLD_WORDS, NEW_WORDS = 48, 15
+#: the pretrained dictionary: fairseq's 4 specials, two language codes, 48 words (54 rows:
+#: 3 x 18, so that on 4 ranks, 18 rows each, the last rank holds exactly the new rows);
+#: grown: + a new language code and 15 new words (70 rows)
 OLD = ["__eng_Latn__", "__fra_Latn__"] + [f"w{i}" for i in range(OLD_WORDS)]
 NEW = ["__lat_Latn__"] + [f"w{i}" for i in range(OLD_WORDS, OLD_WORDS + NEW_WORDS)]
 OLD_ROWS, ROWS = SPECIALS + len(OLD), SPECIALS + len(OLD) + len(NEW)
 LR = 0.5
 SENTENCES, BATCH = 12, 4  # three batches: one per rank on 3 ranks; more ranks: empty batches
-#: 4 ranks (16, 16, 16, 13 rows, one empty batch) would repeat these two cases' layouts: a
-#: shorter last shard mixing pretrained and new rows (3), ranks with empty batches (8)
-WORLDS = (3, 8)
+#: a shorter last shard mixing pretrained and new rows (3); a last shard of exactly the new
+#: rows, and a rank with an empty batch (4)
+WORLDS = (3, 4)
 INIT = ["--init-new-langs-from", "eng_Latn"]
 
 
@@ -152,8 +153,8 @@ def test_loaded_rows_pretrained_bit_for_bit_and_new_as_stated(grown):
     assert "model built on the meta device" in grown.outputs["loaded"]  # no full copy
     lines = [line for line in grown.outputs["loaded"].splitlines() if "grew the shared" in line]
     assert len(lines) == 1 and f"from {OLD_ROWS} to {ROWS} rows" in lines[0] and \
-        "__lat_Latn__ from the row of __eng_Latn__; 4 as the mean of the 56 pretrained rows" \
-        in lines[0], lines
+        f"__lat_Latn__ from the row of __eng_Latn__; {NEW_WORDS} as the mean of the " \
+        f"{OLD_ROWS} pretrained rows" in lines[0], lines
 
 
 def gradient_terms(grown) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,6 +246,9 @@ def test_every_rows_shard_trains_as_stock_legacy_ddp(grown, f64_terms, world):
     assert gets_gradient.all()  # the output projection reaches every row
     moved = ((ours - initial).abs() > tol).any(1)  # by more than rounding could
     chunk = -(-ROWS // world)  # FSDP2's Shard(0): ceil(rows / world) rows per rank
+    assert ROWS % world  # uneven shards
+    if world == 4:  # the last rank's shard: exactly the new rows (module docstring)
+        assert (world - 1) * chunk == OLD_ROWS
     for rank in range(world):
         rows = range(rank * chunk, min((rank + 1) * chunk, ROWS))
         assert all(moved[r] for r in rows), (rank, [r for r in rows if not moved[r]])

@@ -184,9 +184,9 @@ def from_stock(validation):
     on 1 rank x --update-freq 2, one process fewer each: the same global batches in the same
     updates (the scenario has no dropout), whose gradient sums differ from the 2-rank fsdp2
     run's only in their order, as fsdp2 vs legacy_ddp's do: within REL (module docstring,
-    test_resume_at_epoch_end_on_one_rank_with_double_update_freq). ``reset`` keeps the data
-    loader's position, counted in batches of a rank, which 1 rank would read otherwise; and
-    ``from-fsdp2``'s stock run reads the plugin's shards: both on 2 ranks."""
+    test_resume_at_epoch_end_on_one_rank_with_double_update_freq). ``reset`` and
+    ``from-fsdp2`` keep the data loader's position (the best checkpoint may be mid-epoch),
+    counted in batches of a rank, which 1 rank would read otherwise: both on 2 ranks."""
     best = validation.save_dir("stock") / "checkpoint_best.pt"
     trained = torch.load(best, weights_only=True)["optimizer_history"][-1]["num_updates"]
     runs = {}

@@ -157,8 +157,8 @@ def test_torchrun_default_a_lost_worker_stops_the_job_with_one_line(corpus, refe
 def test_torchrun_max_restarts_resumes_by_itself(corpus, reference, tmp_path):
     """The same command with --max-restarts 1; worker 1 is SIGKILLed in update 4: the agent
     restarts both workers, which resume from update 2 (the newest checkpoint; saves every 2
-    updates) and finish with the uninterrupted run's losses. Default rendezvous (static, --master_port); docs/launching.md "Restarts"
-    says why every rendezvous works."""
+    updates) and finish with the uninterrupted run's losses. Default rendezvous (static,
+    --master_port); docs/launching.md "Restarts" says why every rendezvous works."""
     save_dir = tmp_path / "ckpt"
     agent = torchrun(["--nproc_per_node", 2, "--master_port", free_port(), "--max-restarts", 1,
                       *FAULT_POINT, *fairseq_args(corpus, save_dir, UPDATES)],

@@ -260,11 +260,15 @@ def test_ema_resharded_on_one_rank(ema, ours):
 def test_asynchronous_saves_hold_the_same_ema(ema, ours):
     """--write-checkpoints-asynchronously writes the EMA's shards in the background with the
     model's (staged before the next optimizer step, which fairseq's EMA update follows): every
-    save holds the synchronous run's weights and EMA, bit for bit."""
-    out = ema.run("async", "--write-checkpoints-asynchronously")
-    assert sorted(updates(out)) == list(range(1, UPDATES + 1)) and "in the background" in out
-    background = saves(ema.save_dir("async"))
-    for n in range(1, UPDATES + 1):
+    save holds the synchronous run's weights and EMA, bit for bit. 4 updates, two fewer than
+    the scenario: saves after updates where the EMA is a copy (1), steps with decay 0 (2),
+    does not step (3) and steps with the decay (4) cover each case of fairseq's schedule."""
+    last = 4
+    assert fairseq_schedule(updates=last) == {2: 0, 4: DECAY}
+    out = ema.run("async", "--write-checkpoints-asynchronously", "--max-update", last)
+    assert sorted(updates(out)) == list(range(1, last + 1)) and "in the background" in out
+    background = saves(ema.save_dir("async"), last)
+    for n in range(1, last + 1):
         for got, want in zip(background[n], ours[n]):
             assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), n
 
@@ -319,11 +323,17 @@ def test_fp16_ema_dtype_and_seed_model_as_fairseq(ema, ours, stock, ema_fp32, se
     """--fp16: fairseq's EMA averages its model's fp16 weights (the fp32 master rounded), kept
     in fp16, or in fp32 with --ema-fp32. --ema-seed-model: the EMA starts from another
     checkpoint's (a stock file, whose EMA lacks the final layer norms: those start from the
-    model's weights; or the plugin's sharded checkpoint). Updates 1-2, decay 0.8 at each."""
+    model's weights; or the plugin's sharded checkpoint). Updates 1-2, decay 0.8 at each.
+    The stock seed, full tensors, is cut into the shards of 2 ranks (EMA.restore); the sharded
+    seed is read on 1 rank, one process fewer: DCP reshards the 2-rank save (EMA.load_shards,
+    which --restore-file's EMA also goes through: at the same world size in
+    test_ema_resumes_exactly_after_a_kill, resharded in test_ema_resharded_on_one_rank). The
+    update is elementwise on each rank's part, the same on 1 rank or 2."""
     seed_file = ema.save_dir(seed_from) / "checkpoint_1_2.pt"
     label = f"fp16-{'fp32' if ema_fp32 else 'fp16'}"
     ema.run(label, "--fp16", "--max-update", 2, "--ema-start-update", 0, "--ema-update-freq", 1,
-            "--ema-seed-model", seed_file, without=() if ema_fp32 else ("--ema-fp32",))
+            "--ema-seed-model", seed_file, without=() if ema_fp32 else ("--ema-fp32",),
+            ranks=2 if seed_from == "stock" else 1)
     runs = saves(ema.save_dir(label), 2)
     weights, first = runs[1]
     dtype = torch.float32 if ema_fp32 else torch.float16

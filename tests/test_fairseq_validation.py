@@ -179,7 +179,14 @@ def from_stock(validation):
       data loader kept: the classic fine-tuning command line. The weights are broadcast from
       rank 0 (no rank but 0 holds the full model); training continues from update 1 in the
       epoch after the checkpoint's, as stock fairseq does;
-    - ``from-fsdp2``: the same flags, from the plugin's own (sharded) checkpoint_best.pt."""
+    - ``from-fsdp2``: the same flags, from the plugin's own (sharded) checkpoint_best.pt.
+    Stock fairseq's own runs of ``finetune`` and ``restore`` (which reset the data loader) run
+    on 1 rank x --update-freq 2, one process fewer each: the same global batches in the same
+    updates (the scenario has no dropout), whose gradient sums differ from the 2-rank fsdp2
+    run's only in their order, as fsdp2 vs legacy_ddp's do: within REL (module docstring,
+    test_resume_at_epoch_end_on_one_rank_with_double_update_freq). ``reset`` and
+    ``from-fsdp2`` keep the data loader's position (the best checkpoint may be mid-epoch),
+    counted in batches of a rank, which 1 rank would read otherwise: both on 2 ranks."""
     best = validation.save_dir("stock") / "checkpoint_best.pt"
     trained = torch.load(best, weights_only=True)["optimizer_history"][-1]["num_updates"]
     runs = {}
@@ -198,8 +205,10 @@ def from_stock(validation):
             # stock fairseq alone, trusting its own file; from the plugin's file, with the
             # plugin (its reading of sharded checkpoints is what is tested there)
             stock_alone = backend == "stock" and kind != "from-fsdp2"
+            one_rank = stock_alone and kind != "reset"
             runs[kind, backend] = validation.run(
                 f"{kind}-{backend}", *extra, "--no-save", "--disable-validation",
+                *(["--update-freq", 2] if one_rank else []), ranks=1 if one_rank else 2,
                 backend=backend, without=("--no-progress-bar",),
                 plugin=not stock_alone, trusting=(best,) if stock_alone else ())
         runs[kind, "first"] = first

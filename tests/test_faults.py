@@ -16,7 +16,7 @@ from conftest import REPO, tmpfs
 from launcher import finish_ranks, free_port, start_ranks, train_inner
 
 PROBES = str(REPO / "tests" / "probes")
-UPDATES = 12
+UPDATES = 9
 SAVE_EVERY = 3
 TIMEOUT_S = 20  # --heartbeat-timeout: no collective waits longer for a peer
 FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1",
@@ -74,7 +74,8 @@ def test_killed_ranks_are_named_and_restarts_reproduce_the_uninterrupted_run(tra
     and all ranks, 5 being the fewest that can (each run costs seconds; more points cost runs
     for no new case), and among them one rank alone killed inside a save (writing the shards:
     its peer survives in the save) and rank 1 killed in its optimizer step (rank 0 may be past
-    the update's last collective)."""
+    the update's last collective), 3 of the kills of one rank; among such seeds, one whose chain
+    makes the fewest updates (13 in all, 4 saves; the run is 9 updates, saves every 3)."""
     # nothing reads the reference's checkpoints: it saves none (and so shows that the saves of
     # the runs compared with it do not change what they train)
     reference, _ = run(train_args, tmp_path / "reference", save=False)
@@ -83,7 +84,7 @@ def test_killed_ranks_are_named_and_restarts_reproduce_the_uninterrupted_run(tra
     assert sorted(expected) == list(range(1, UPDATES + 1))
 
     save_dir = tmp_path / "faulty"
-    points = fault_points(seed=37669, n=5)
+    points = fault_points(seed=10037, n=5)
     assert {p for p, _, _ in points} == {"forward", "backward", "step", "shards", "copy"}
     assert {w for _, _, w in points} >= {"0", "1", "all"}
     resume, compared = 0, 0

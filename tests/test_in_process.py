@@ -231,28 +231,40 @@ def test_a_hydra_sweep_runs_every_job_and_returns_each_best_validation_loss(nllb
     assert minimizing[0][1] < minimizing[1][1], minimizing
 
 
-def test_a_failed_job_of_a_sweep_is_reported_as_hydra_reports_one(nllb_data, tmp_path):
-    """Job 1's --fsdp2-reshard-degree 3 is bad input on one rank: the job fails (raised to
-    hydra, which reports it and exits 1), job 0 trains and exports."""
-    result, jobs = sweep(nllb_data, tmp_path, "optimization.max_update=2",
-                         "distributed_training.fsdp2_reshard_degree=0,3")
+@pytest.fixture(scope="module")
+def failing_sweep(nllb_data, tmp_path_factory):
+    """One sweep serves both failure tests below (one process instead of two): jobs 0 and 1
+    have a bad model override, job 2 a bad --fsdp2-reshard-degree, job 3 neither (hydra runs
+    the product of the two lists, the first one's values outermost)."""
+    return sweep(nllb_data, tmp_path_factory.mktemp("failing-sweep"), "optimization.max_update=2",
+                 "+model.activation_fn=nonsense,relu",
+                 "distributed_training.fsdp2_reshard_degree=3,0")
+
+
+def test_a_failed_job_of_a_sweep_is_reported_as_hydra_reports_one(failing_sweep):
+    """Job 2's --fsdp2-reshard-degree 3 is bad input on one rank: the job fails (raised to
+    hydra, which reports it and exits 1), job 3 trains and exports."""
+    result, jobs = failing_sweep
     assert result.returncode == 1, result.output[-4000:]
-    assert [(j["num"], j["status"]) for j in jobs] == [(0, "COMPLETED"), (1, "FAILED")]
-    assert "--fsdp2-reshard-degree 3 must divide" in jobs[1]["value"]
+    assert [(j["num"], j["status"]) for j in jobs] == [
+        (0, "FAILED"), (1, "FAILED"), (2, "FAILED"), (3, "COMPLETED")], jobs
+    assert "--fsdp2-reshard-degree 3 must divide" in jobs[2]["value"]
     assert "Error executing job with overrides" in result.output, result.output[-3000:]
-    assert os.path.isfile(os.path.join(jobs[0]["save_dir"], "checkpoint_last_consolidated.pt"))
+    assert os.path.isfile(os.path.join(jobs[3]["save_dir"], "checkpoint_last_consolidated.pt"))
 
 
-def test_a_job_whose_config_is_bad_fails_alone_and_the_sweep_goes_on(nllb_data, tmp_path):
-    """Job 0's model override is bad input that the hydra entry finds while filling in the
-    config's defaults (integration/hydra_config.add_defaults_or_stop): raised to hydra as the
-    job's failure, not an exit of the whole process, so job 1 still trains."""
-    result, jobs = sweep(nllb_data, tmp_path, "optimization.max_update=2",
-                         "+model.activation_fn=nonsense,relu")
+def test_a_job_whose_config_is_bad_fails_alone_and_the_sweep_goes_on(failing_sweep):
+    """Jobs 0 and 1's model override is bad input that the hydra entry finds while filling in
+    the config's defaults (integration/hydra_config.add_defaults_or_stop): raised to hydra as
+    the job's failure, not an exit of the whole process, so jobs 2 and 3 still run and job 3
+    trains."""
+    result, jobs = failing_sweep
     assert result.returncode == 1, result.output[-4000:]
-    assert [(j["num"], j["status"]) for j in jobs] == [(0, "FAILED"), (1, "COMPLETED")], jobs
-    assert jobs[0]["value"].startswith(
-        "OptionError: model.activation_fn: invalid choice: 'nonsense'"), jobs[0]
+    assert [(j["num"], j["status"]) for j in jobs] == [
+        (0, "FAILED"), (1, "FAILED"), (2, "FAILED"), (3, "COMPLETED")], jobs
+    for job in jobs[:2]:
+        assert job["value"].startswith(
+            "OptionError: model.activation_fn: invalid choice: 'nonsense'"), job
 
 
 def test_a_run_starts_without_the_best_score_and_patience_an_earlier_run_left_in_fairseq():

@@ -23,6 +23,7 @@ from fairseq_fsdp2 import plot_memory
 from fairseq_fsdp2.estimator.fsdp2_step import simulate_fsdp2
 from fairseq_fsdp2.optimizer.adam_stats import BUCKET_MIN
 from fairseq_fsdp2.estimator.ledger import CATEGORIES, unit_sizes
+from fairseq_fsdp2.estimator import model_profile
 from fairseq_fsdp2.estimator.model_profile import resolve, trace_forward, workload_for
 from fairseq_fsdp2.estimator.peak import cpu_baseline_bytes, estimate
 from fairseq_fsdp2.memory.charts import per_rank_series, read_memory_log
@@ -408,6 +409,86 @@ def test_meta_trace_counts_what_a_real_forward_saves():
     cuda = resolve(trace, "cuda")
     assert sum(1 for kind, _ in trace.events if kind == "attn") == 6
     assert trace.act_bytes - cuda.act_bytes >= 6 * 8 * 4 * 21 * 21 * 4
+
+
+def counting_module_calls(trace):
+    """``trace`` (trace_forward), which also returns how many module calls it made."""
+    def counted(*args, **kwargs):
+        count = [0]
+        hook = torch.nn.modules.module.register_module_forward_hook(
+            lambda *_: count.__setitem__(0, count[0] + 1))
+        try:
+            return trace(*args, **kwargs), count[0]
+        finally:
+            hook.remove()
+    return counted
+
+
+@pytest.mark.parametrize("flags", [
+    ["--fp16"],
+    ["--bf16", "--criterion", "label_smoothed_cross_entropy_chunked", "--loss-chunk-tokens", "64",
+     "--checkpoint-activations", "--decoder-layerdrop", "1"],
+    ["--fp16", "--lora-rank", "4"],
+], ids=["stock loss", "chunked, checkpointed, layerdrop", "lora"])
+def test_replayed_layers_trace_as_run_layers(flags, monkeypatch):
+    """A layer called as one traced before replays its events instead of running
+    (estimator/forward_trace.py): the profile is the one every layer's run gives, event for
+    event, with the largest saved tensor of every layer, on the CPU's and CUDA's attention
+    (NLLB's architecture with 4 layers a side: the encoder's layers 1-3 and the decoder's layer
+    2 replay; the decoder's layer 0 saves the encoder's output, its last layer the attention
+    weights: both run; a script compared the 600M, 1.3B and 3.3B sizes so)."""
+    args = from_args.parse(["unused-data", "--task", "translation", "--vocab-size", "64",
+                            "--arch", "transformer_nllb_tiny", "--encoder-layers", "4",
+                            "--decoder-layers", "4", "--max-tokens", "256", "--seq-len", "32",
+                            "--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", *flags])
+    model = from_args.build_meta_model(args)
+    profiles, calls = [], []
+    for replay in (True, False):
+        def trace(*a, replay=replay, **k):
+            traced, count = counting_module_calls(trace_forward)(*a, **k, replay=replay)
+            calls.append(count)
+            return traced
+        monkeypatch.setattr(model_profile, "trace_forward", trace)
+        profiles.append(from_args.profile_for(args, model))
+    replayed, run = profiles
+    for device in ("cpu", "cuda"):
+        ours, theirs = replayed.trace_for(device), run.trace_for(device)
+        assert ours.events == theirs.events and ours.max_act == theirs.max_act, device
+        assert ours.act_bytes == theirs.act_bytes > 0
+        assert getattr(ours, "recompute", None) == getattr(theirs, "recompute", None)
+    assert any(kind == "enter" and path == "decoder.layers.2" for kind, path in ours.events)
+    assert calls[0] < calls[1]  # layers replayed, not run
+
+
+class SavesLayerInputsAgain(torch.nn.Module):
+    """Layers whose inputs the model saves again after them (a weighted sum of every layer's
+    input): a replayed layer saves its input as the run one did."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 8)
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8))
+                                          for _ in range(4))
+        self.mix = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, src_tokens, src_lengths, prev_output_tokens, features_only=False):
+        x, inputs = self.embed(src_tokens), []
+        for layer in self.layers:
+            inputs.append(x)
+            x = layer(x) + 1  # a new tensor, saved by no operation of the layer
+        return x + sum(w * i for w, i in zip(self.mix, inputs))
+
+
+def test_a_replayed_layer_saves_its_inputs_as_the_run_one():
+    with torch.device("meta"):
+        model = SavesLayerInputsAgain()
+    layers = [f"layers.{i}" for i in range(4)]
+    (fast, fewer), (slow, every) = (
+        counting_module_calls(trace_forward)(model, layers, workload_for(None, 2, 3),
+                                             torch.float32, False, replay=replay)
+        for replay in (True, False))
+    assert fast.events == slow.events and fast.max_act == slow.max_act
+    assert fewer < every  # layers replayed, not run
 
 
 # -- 2. the plot -----------------------------------------------------------------------------

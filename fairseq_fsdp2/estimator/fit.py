@@ -13,7 +13,7 @@ import copy
 from dataclasses import dataclass
 from typing import Optional
 
-from .from_args import ModelCache, profile_for, setup_for
+from .from_args import ModelCache, setup_for
 from .peak import estimate
 
 #: the largest --max-tokens tried: 64 times the granularity (65,536 tokens at 128-token
@@ -51,18 +51,15 @@ def largest_max_tokens(args, budget_gb: float, world_sizes, claimed: Optional[di
     peak does not fall as the batch grows, a claim that holds there is what the search finds.
     One that does not hold is searched for as without a claim.
 
-    ``models``: where the meta model is taken from (the caller's, e.g. the estimate command's
-    for its estimates too; without, one of this search's own)."""
+    ``models``: where the model and its profiles are taken from (the caller's, e.g. the
+    estimate command's for its estimates too; without, this search's own)."""
     step = args.seq_len * max(int(getattr(args, "required_batch_size_multiple", 8) or 1), 1)
-    model = (models or ModelCache()).model(args)
-    profiles = {}
+    models = models if models is not None else ModelCache()
 
     def profile(k: int):
-        if k not in profiles:
-            trial = copy.copy(args)
-            trial.max_tokens = k * step
-            profiles[k] = profile_for(trial, model)
-        return profiles[k]
+        trial = copy.copy(args)
+        trial.max_tokens = k * step
+        return models.profile(trial)
 
     def search(world_size: int) -> Fit:
         setup = setup_for(args, world_size)

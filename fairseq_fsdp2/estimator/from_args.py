@@ -211,34 +211,52 @@ def build_meta_model(args, dictionaries: Optional[dict] = None):
         return task.build_model(args)
 
 
-#: the options only the batch (workload_for) and the setup's ranks, device and budget read,
-#: never the model's construction: a ModelCache leaves them out of its key
-NOT_BUILT_FROM = ("max_tokens", "batch_size", "world_size", "replicate_degree", "device",
-                  "seq_len", "fit_gb", "cpu_baseline_gb")
+#: the estimator's options that only its setup reads (the ranks, the device, the budget), never
+#: a profile (profile_for): a ModelCache's profiles leave them out of their key
+NOT_PROFILED = ("world_size", "replicate_degree", "device", "fit_gb", "cpu_baseline_gb")
+#: ... and the batch's (workload_for; fairseq's validation batch defaults to it), which no
+#: model's construction reads: its models' key
+NOT_BUILT_FROM = NOT_PROFILED + ("max_tokens", "batch_size", "seq_len", "max_tokens_valid",
+                                 "batch_size_valid")
+
+
+def _key(args, leave_out: tuple[str, ...]) -> str:
+    return repr(sorted((k, v) for k, v in vars(args).items() if k not in leave_out))
 
 
 class ModelCache:
-    """Meta models by the arguments they are built from (all but NOT_BUILT_FROM), each built
-    once for the caller that owns the cache: one estimate command (its estimates and its
-    --fit-gb search), one run of the doc tables. Nothing is kept between a user's runs: the
-    cache lives as long as its owner. A model is LoRA-adapted where its arguments ask
-    (profile_for adapts it in place, once). The models share one synthetic dictionary of each
-    --vocab-size (NLLB's: 0.15 s to make, 40 MB)."""
+    """Meta models and their profiles by the arguments they are made from (all but
+    NOT_BUILT_FROM, NOT_PROFILED), each made once for the caller that owns the cache: one
+    estimate command (its estimates and its --fit-gb search), one run of the doc tables.
+    Nothing is kept between a user's runs: the cache lives as long as its owner. A model is
+    LoRA-adapted where its arguments ask (profile_for adapts it in place, once). The models
+    share one synthetic dictionary of each --vocab-size (NLLB's: 0.15 s to make, 40 MB)."""
 
     def __init__(self):
-        self.models: dict[str, object] = {}
+        self.models: dict[str, tuple] = {}  # key -> (model, what its build set on args)
+        self.profiles: dict[str, ModelProfile] = {}
         self.dictionaries: dict[int, Dictionary] = {}
 
     def model(self, args):
-        def key():
-            return repr(sorted((k, v) for k, v in vars(args).items() if k not in NOT_BUILT_FROM))
-        asked = key()
+        """The model of ``args``, which are left as its build leaves them (build_task names a
+        synthetic dictionary's languages)."""
+        asked = _key(args, NOT_BUILT_FROM)
         if asked not in self.models:
-            self.models[asked] = build_meta_model(args, self.dictionaries)
-            # build_task names the languages of a synthetic dictionary: the same model for
-            # the arguments as they are now
-            self.models.setdefault(key(), self.models[asked])
-        return self.models[asked]
+            before = dict(vars(args))
+            model = build_meta_model(args, self.dictionaries)
+            named = {k: v for k, v in vars(args).items() if k not in before or before[k] != v}
+            self.models[asked] = (model, named)
+        model, named = self.models[asked]
+        vars(args).update(named)
+        self.models.setdefault(_key(args, NOT_BUILT_FROM), (model, named))
+        return model
+
+    def profile(self, args) -> ModelProfile:
+        model = self.model(args)
+        key = _key(args, NOT_PROFILED)
+        if key not in self.profiles:
+            self.profiles[key] = profile_for(args, model)
+        return self.profiles[key]
 
 
 def profile_for(args, model=None) -> ModelProfile:
@@ -261,7 +279,7 @@ def profile_for(args, model=None) -> ModelProfile:
 
 def estimates(args, models: Optional[ModelCache] = None) -> list[Estimate]:
     """The estimate at every world size asked for (``--world-size``, or the run's own);
-    ``models``: where the meta model is taken from (built anew without)."""
-    profile = profile_for(args, None if models is None else models.model(args))
+    ``models``: where the model's profile is taken from (made anew without)."""
+    profile = profile_for(args) if models is None else models.profile(args)
     sizes = args.world_size or [max(getattr(args, "distributed_world_size", 1) or 1, 1)]
     return [estimate(profile, setup_for(args, w)) for w in sizes]

@@ -45,17 +45,29 @@ NLLB_PARAMS = {"transformer_nllb_600m": 615_073_792, "transformer_nllb_1_3b": 1_
                "transformer_nllb_3_3b": 3_344_863_232}
 
 
+@pytest.fixture(scope="module")
+def models():
+    """The module's meta models and profiles, each made once (from_args.ModelCache, as one
+    estimate command or one run of the doc tables shares them): NLLB's 256,206-word dictionary
+    made once, not for every estimate."""
+    cache = from_args.ModelCache()
+    yield cache
+    cache.models.clear()
+    cache.profiles.clear()
+    cache.dictionaries.clear()
+
+
 def resident_gib() -> float:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 2 ** 20
 
 
 @pytest.mark.parametrize("arch", list(NLLB_PARAMS))
-def test_nllb_sizes_1_to_64_ranks_without_allocating(arch):
+def test_nllb_sizes_1_to_64_ranks_without_allocating(arch, models):
     before = resident_gib()
     default, always = (
         cli.estimate_args(nllb_args(arch, "--fp16", "--fsdp2-root-reshard", rr,
-                                    "--world-size", "1", "2", "8", "64"))
+                                    "--world-size", "1", "2", "8", "64"), models)
         for rr in ("default", "always"))
     params = NLLB_PARAMS[arch]
     assert resident_gib() - before < 0.5  # the model alone would be params x 4 bytes
@@ -78,7 +90,7 @@ def test_nllb_sizes_1_to_64_ranks_without_allocating(arch):
     assert always[-1].classes[0].breakdown["gathered"] < NLLB_VOCAB * dim * 2
 
 
-def test_tied_gradient_buffer_keeps_one_embedding_gradient():
+def test_tied_gradient_buffer_keeps_one_embedding_gradient(models):
     """The tied-gradient buffer (default): the fused loss's weight gradient and the two lookups'
     rows add into one vocab x dim buffer; without it each lookup's backward makes a dense
     vocab x dim gradient that autograd then adds to the loss's (two at once). Reduced early
@@ -92,7 +104,7 @@ def test_tied_gradient_buffer_keeps_one_embedding_gradient():
         setup = from_args.setup_for(args, 2)
         assert setup.tied_grad_buffer == (extra != ["--fsdp2-no-tied-grad-buffer"])
         assert setup.tied_early_reduce == (not extra)
-        ledgers.append(simulate_fsdp2(from_args.profile_for(args), setup))
+        ledgers.append(simulate_fsdp2(models.profile(args), setup))
     stock, buffered, early = ledgers
     one = NLLB_VOCAB * 1024 * 4  # one fp32 vocab x dim gradient
     saved = stock.max["grads"] - buffered.max["grads"]
@@ -110,37 +122,38 @@ def test_tied_gradient_buffer_keeps_one_embedding_gradient():
     assert early.max["grads"] < buffered.max["grads"]
 
 
-def test_uneven_shards_make_rank_classes_and_hsdp_shards_within_groups():
-    (eight,) = cli.estimate_args(nllb_args("transformer_nllb_600m", "--world-size", "8"))
+def test_uneven_shards_make_rank_classes_and_hsdp_shards_within_groups(models):
+    (eight,) = cli.estimate_args(nllb_args("transformer_nllb_600m", "--world-size", "8"), models)
     # 256,206 rows over 8 ranks: 32,026 on ranks 0-6, 32,024 on rank 7
     assert [c.ranks for c in eight.classes] == [[0, 1, 2, 3, 4, 5, 6], [7]]
     diff = eight.classes[0].breakdown["sharded"] - eight.classes[1].breakdown["sharded"]
     assert diff == 2 * 1024 * 4
     (hsdp,) = cli.estimate_args(nllb_args("transformer_nllb_600m", "--world-size", "8",
-                                          "--replicate-degree", "2"))
-    (four,) = cli.estimate_args(nllb_args("transformer_nllb_600m", "--world-size", "4"))
+                                          "--replicate-degree", "2"), models)
+    (four,) = cli.estimate_args(nllb_args("transformer_nllb_600m", "--world-size", "4"), models)
     assert hsdp.classes[0].breakdown["sharded"] == four.classes[0].breakdown["sharded"]
     assert hsdp.peak == four.peak
     assert sorted(r for c in hsdp.classes for r in c.ranks) == list(range(8))
 
 
-def test_legacy_ddp_and_chunked_loss():
+def test_legacy_ddp_and_chunked_loss(models):
     small = ["--arch", "transformer_nllb_tiny", "--encoder-embed-dim", "128",
              "--decoder-embed-dim", "128", "--max-tokens", "1024", "--cpu"]
     base = ["unused-data", "--task", "translation", "--vocab-size", str(NLLB_VOCAB), *small]
     one, two = cli.estimate_args(base + ["--ddp-backend", "legacy_ddp",
-                                         "--world-size", "1", "2"])
-    params = sum(p.numel() for p in from_args.build_meta_model(from_args.parse(base)).parameters())
+                                         "--world-size", "1", "2"], models)
+    params = sum(p.numel() for p in models.model(from_args.parse(base)).parameters())
     # every rank holds the model; from 2 ranks, also fairseq's model-sized all-reduce buffer
     assert two.classes[0].breakdown["comm"] == params * 4
     assert two.peak - one.peak == params * 4
     assert one.classes[0].breakdown["gathered"] == params * 4
     (fsdp,) = cli.estimate_args(base + ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1",
-                                        "--fsdp2-root-reshard", "always", "--world-size", "2"])
+                                        "--fsdp2-root-reshard", "always", "--world-size", "2"],
+                                models)
     (chunked,) = cli.estimate_args(base + [
         "--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", "--fsdp2-root-reshard", "always",
         "--criterion", "label_smoothed_cross_entropy_chunked", "--loss-chunk-tokens", "64",
-        "--world-size", "2"])
+        "--world-size", "2"], models)
     assert fsdp.classes[0].moment == "loss backward: log-softmax gradient"
     assert fsdp.classes[0].breakdown["loss"] == 3 * 1024 * NLLB_VOCAB * 4
     assert chunked.classes[0].breakdown["loss"] <= 64 * NLLB_VOCAB * 4 * 3 + 1024 * 128 * 4
@@ -150,7 +163,7 @@ def test_legacy_ddp_and_chunked_loss():
     assert cpu_baseline_bytes(NLLB_VOCAB) > cpu_baseline_bytes(100)
 
 
-def test_16_bit_adam_moments_halve_the_optimizer_state():
+def test_16_bit_adam_moments_halve_the_optimizer_state(models):
     """--fp16-adam-stats (and --bf16-adam-stats on FSDP2): two 2-byte moments per parameter
     element instead of two 4-byte ones; during the optimizer step, the largest shard's moments
     are float32 as well (optimizer/adam_stats.py steps one parameter at a time). Stock
@@ -160,7 +173,7 @@ def test_16_bit_adam_moments_halve_the_optimizer_state():
 
     def setup(*flags, world=2):
         return from_args.setup_for(from_args.parse(base + list(flags)), world)
-    profile = from_args.profile_for(from_args.parse(base + ["--fp16"]))  # fp16 and bf16 alike
+    profile = models.profile(from_args.parse(base + ["--fp16"]))  # fp16 and bf16 alike
     fp32 = estimate(profile, setup("--fp16"))
     full = fp32.classes[0].breakdown
     for flags, stats in ((["--fp16", "--fp16-adam-stats"], "fp16"),
@@ -187,7 +200,7 @@ def test_16_bit_adam_moments_halve_the_optimizer_state():
     assert setup(*ddp, "--bf16", "--bf16-adam-stats", world=1).adam_stats == "fp32"
 
 
-def test_16_bit_reduce_dtype_halves_the_reduce_scatter_input(capsys):
+def test_16_bit_reduce_dtype_halves_the_reduce_scatter_input(capsys, models):
     """--fsdp2-reduce-dtype fp16 (with --fp16) or bf16 (with --bf16): FSDP2's reduce-scatter
     input holds 2 bytes per element instead of 4, and so does its output, which FSDP2 then
     casts to the fp32 sharded gradient (_to_dtype_if_needed: both alive at the cast; FSDP2's
@@ -201,7 +214,7 @@ def test_16_bit_reduce_dtype_halves_the_reduce_scatter_input(capsys):
     base = nllb_args("transformer_nllb_3_3b", "--criterion", "label_smoothed_cross_entropy_chunked",
                      "--loss-chunk-tokens", "256", "--fsdp2-root-reshard", "always",
                      "--checkpoint-activations", "--fsdp2-no-tied-early-reduce")
-    profile = from_args.profile_for(from_args.parse(base + ["--fp16"]))  # fp16 and bf16 alike
+    profile = models.profile(from_args.parse(base + ["--fp16"]))  # fp16 and bf16 alike
     shared = next(u for u in profile.units if set(profile.output_paths) & set(u.module_paths))
     local, padded, _ = unit_sizes(shared, 2, 0)
     for precision in ("fp16", "bf16"):
@@ -229,7 +242,7 @@ def test_16_bit_reduce_dtype_halves_the_reduce_scatter_input(capsys):
 
 
 
-def test_8_bit_adam_moments_take_a_byte_per_element_and_a_float32_per_block():
+def test_8_bit_adam_moments_take_a_byte_per_element_and_a_float32_per_block(models):
     """--eight-bit-adam-stats on NLLB's tiny architecture (vocabulary 256206): the weights'
     moments a byte per element and 4 bytes per block of 256 in a row, the biases' and norms'
     float32 (rows of 2 ranks' shards: their sum over the ranks is the whole); at the optimizer
@@ -244,7 +257,7 @@ def test_8_bit_adam_moments_take_a_byte_per_element_and_a_float32_per_block():
     args = from_args.parse(base + ["--eight-bit-adam-stats"])
     setups = [from_args.setup_for(args, 2), from_args.setup_for(from_args.parse(base), 2)]
     assert [s.adam_stats for s in setups] == ["8bit", "fp32"]
-    profile = from_args.profile_for(args)
+    profile = models.profile(args)
     shapes = [shape for u in profile.units for shape in u.shapes]
     want = sum(2 * (math.prod(s) + 4 * s[0] * -(-math.prod(s[1:]) // 256)) if quantizable(s)
                else 8 * math.prod(s) for s in shapes)
@@ -263,7 +276,7 @@ def test_8_bit_adam_moments_take_a_byte_per_element_and_a_float32_per_block():
     assert from_args.setup_for(ddp, 1).adam_stats == "fp32"
 
 
-def test_16_bit_gradient_shards_and_the_row_chunked_step():
+def test_16_bit_gradient_shards_and_the_row_chunked_step(models):
     """--fsdp2-reduce-dtype fp16 with Adam (float32 or 8-bit moments): the trainer keeps the
     reduce-scatter's 16-bit output as the sharded gradient (sharding/sixteen_bit_grads.py), 2 bytes
     per element where FSDP2's cast made 4 (--fsdp2-fp32-grad-shards), and Adam steps a chunk of
@@ -279,7 +292,7 @@ def test_16_bit_gradient_shards_and_the_row_chunked_step():
                      "--loss-chunk-tokens", "256", "--fsdp2-root-reshard", "always",
                      "--checkpoint-activations", "--fp16", "--fsdp2-reduce-dtype", "fp16",
                      "--fsdp2-no-tied-early-reduce")  # FSDP2 reduces the tied embedding
-    profile = from_args.profile_for(from_args.parse(base))
+    profile = models.profile(from_args.parse(base))
     shared = next(u for u in profile.units if set(profile.output_paths) & set(u.module_paths))
     local = unit_sizes(shared, 2, 0)[0]
     for stats in ([], ["--eight-bit-adam-stats"]):
@@ -305,13 +318,13 @@ def test_16_bit_gradient_shards_and_the_row_chunked_step():
         assert not from_args.setup_for(from_args.parse(base + flags), 2).narrow_grads, flags
 
 
-def test_store_ema_adds_its_copy_of_the_weights():
+def test_store_ema_adds_its_copy_of_the_weights(models):
     """--store-ema: FSDP2 keeps the EMA of each rank's shards in the compute dtype (fp32 with
     --ema-fp32); stock fairseq deep-copies the whole (halved) model, plus a float32 copy with
     --ema-fp32 under --fp16. Nothing else changes, and the breakdown shows the EMA only when
     there is one."""
     base = nllb_args("transformer_nllb_tiny")
-    profiles = {precision: from_args.profile_for(from_args.parse(base + flags))
+    profiles = {precision: models.profile(from_args.parse(base + flags))
                 for precision, flags in (("fp16", ["--fp16"]), ("fp32", []))}
 
     def breakdown(*flags, world=2):
@@ -332,21 +345,22 @@ def test_store_ema_adds_its_copy_of_the_weights():
         assert "EMA (--store-ema)" in est.table() and "EMA" not in plain_est.table()
 
 
-def test_an_optimizer_it_does_not_model_is_counted_as_adam_and_said():
-    (adam,) = cli.estimate_args(nllb_args("transformer_nllb_tiny"))
-    (other,) = cli.estimate_args(nllb_args("transformer_nllb_tiny", "--optimizer", "adafactor"))
+def test_an_optimizer_it_does_not_model_is_counted_as_adam_and_said(models):
+    (adam,) = cli.estimate_args(nllb_args("transformer_nllb_tiny"), models)
+    (other,) = cli.estimate_args(nllb_args("transformer_nllb_tiny", "--optimizer", "adafactor"),
+                                 models)
     assert other.classes[0].breakdown["optim"] == adam.classes[0].breakdown["optim"] > 0
     assert not any("not modelled" in n for n in adam.notes)
     assert "optimizer adafactor: its state is not modelled; counted as Adam's" in \
         "\n".join(other.notes)
 
 
-def test_layerdrop_is_planned_for_an_update_that_drops_no_layer():
+def test_layerdrop_is_planned_for_an_update_that_drops_no_layer(models):
     """--encoder/--decoder-layerdrop skip random layers in training: the peak to plan for is an
     update that runs them all (the trace ran train mode, where p = 1 skipped every layer)."""
-    (plain,) = cli.estimate_args(nllb_args("transformer_nllb_tiny"))
+    (plain,) = cli.estimate_args(nllb_args("transformer_nllb_tiny"), models)
     (dropping,) = cli.estimate_args(nllb_args("transformer_nllb_tiny", "--encoder-layerdrop", "1",
-                                              "--decoder-layerdrop", "1"))
+                                              "--decoder-layerdrop", "1"), models)
     assert dropping.peak == plain.peak and dropping.classes[0].breakdown == \
         plain.classes[0].breakdown
 
@@ -518,7 +532,7 @@ def test_plot_memory_writes_a_png(tmp_path, capsys):
     assert not (tmp_path / "bad.png").exists()
 
 
-def test_bf16_weights_halve_the_sharded_parameters():
+def test_bf16_weights_halve_the_sharded_parameters(models):
     """--memory-efficient-bf16 with Adam (settings.keeps_bf16_weights): the trained shards in
     bf16, 2 bytes per element where --bf16's fp32 masters take 4, and nothing else kept
     changes where --bf16's gradient shards are bf16 too (--fsdp2-reduce-dtype bf16: both keep
@@ -535,7 +549,7 @@ def test_bf16_weights_halve_the_sharded_parameters():
     base = nllb_args("transformer_nllb_3_3b", "--criterion", "label_smoothed_cross_entropy_chunked",
                      "--loss-chunk-tokens", "256", "--fsdp2-root-reshard", "always",
                      "--checkpoint-activations", "--eight-bit-adam-stats", "--max-tokens", "2048")
-    profile = from_args.profile_for(from_args.parse(base + ["--bf16"]))
+    profile = models.profile(from_args.parse(base + ["--bf16"]))
     setups = {name: from_args.setup_for(from_args.parse(base + flags), 1) for name, flags in (
         ("masters", ["--bf16", "--fsdp2-reduce-dtype", "bf16"]),
         ("ours", ["--memory-efficient-bf16", "--fsdp2-reduce-dtype", "bf16"]),

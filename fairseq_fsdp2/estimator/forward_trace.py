@@ -147,6 +147,10 @@ def _rebuilt(nesting, leaves):
     return nesting[0](_rebuilt(n, leaves) for n in nesting[1])
 
 
+def _tensors(inputs) -> list[torch.Tensor]:
+    return [t for t in _flatten(inputs)[0] if isinstance(t, torch.Tensor)]
+
+
 def _call_key(recorder: _Recorder, args, kwargs) -> Optional[tuple]:
     """A layer call's inputs as data: tensors by shape, layout, dtype, whether they need a
     gradient and their standing (storages shared between inputs numbered); None where an
@@ -203,10 +207,6 @@ def _replayable(log: list, path: str) -> bool:
     """Whether every module path of a layer's log lies within the layer."""
     return all(_renamed(e[1] if e[0] == "max" else e[2], path, path) is not None for e in log
                if e[0] == "max" or e[1] in ("enter", "exit"))
-
-
-def _tensors(inputs) -> list[torch.Tensor]:
-    return [t for t in _flatten(inputs)[0] if isinstance(t, torch.Tensor)]
 
 
 def _replay(recorder: _Recorder, log: list, old: str, new: str, inputs, saved: list) -> None:

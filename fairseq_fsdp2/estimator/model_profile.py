@@ -2,7 +2,8 @@
 
 ``build_profile`` turns a (meta-device) fairseq model, its sharding plan and a workload into a
 ``ModelProfile``: each unit's parameter shapes, which modules own which unit, and the forward's
-activation events traced on the meta device (see ``peak.py`` for the modelling rules).
+activation events traced on the meta device (``forward_trace.py``; see ``peak.py`` for the
+modelling rules).
 """
 from __future__ import annotations
 

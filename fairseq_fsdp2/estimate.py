@@ -30,9 +30,11 @@ from .estimator.peak import Estimate, format_summary
 from .process import quiet
 
 
-def estimate_args(argv: Sequence[str]) -> list[Estimate]:
-    """Parse fairseq-train arguments (+ the estimator's) and estimate every world size."""
-    return from_args.estimates(from_args.parse(argv))
+def estimate_args(argv: Sequence[str],
+                  models: Optional[from_args.ModelCache] = None) -> list[Estimate]:
+    """Parse fairseq-train arguments (+ the estimator's) and estimate every world size
+    (``models``: the caller's meta models, from_args.ModelCache)."""
+    return from_args.estimates(from_args.parse(argv), models)
 
 
 PROG = "fairseq_fsdp2.estimate"
@@ -44,8 +46,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.fit_gb is not None and args.fit_gb <= 0:
         return report_bad_input(PROG, f"--fit-gb {args.fit_gb:g}: give the memory per rank in "
                                       f"GiB, a positive number")
+    models = from_args.ModelCache()  # the model built once, for the estimate and the fit
     try:
-        estimates = from_args.estimates(args)
+        estimates = from_args.estimates(args, models)
     except OptionError as e:  # settings the estimator refuses, as training would
         return report_bad_input(PROG, e)
     if len(estimates) == 1:
@@ -53,7 +56,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         print(format_summary(estimates))
     if args.fit_gb is not None:
-        for fit in largest_max_tokens(args, args.fit_gb, [e.setup.world_size for e in estimates]):
+        for fit in largest_max_tokens(args, args.fit_gb, [e.setup.world_size for e in estimates],
+                                      models=models):
             print(fit.line())
     return 0
 

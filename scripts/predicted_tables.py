@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fairseq_fsdp2.estimator.doc_tables import TABLES, documented, render, replaced  # noqa: E402
+from fairseq_fsdp2.estimator.from_args import ModelCache  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -21,14 +22,15 @@ def main(argv=None) -> int:
                         help="write nothing; exit 1 if a documented table differs")
     args = parser.parse_args(argv)
     stale = []
+    models = ModelCache()  # each meta model built once for every table
     for table in TABLES:
         path = ROOT / table.document
         text = path.read_text()
         if args.check:
-            if documented(text, table.name) != render(table):
+            if documented(text, table.name) != render(table, models=models):
                 stale.append(f"{table.document}: {table.name}")
             continue
-        path.write_text(replaced(text, table))
+        path.write_text(replaced(text, table, models))
         print(f"wrote {table.document}: {table.name}")
     for entry in stale:
         print(f"stale: {entry}", file=sys.stderr)

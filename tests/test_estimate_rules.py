@@ -23,6 +23,7 @@ from fairseq_fsdp2 import plot_memory
 from fairseq_fsdp2.estimator.fsdp2_step import simulate_fsdp2
 from fairseq_fsdp2.optimizer.adam_stats import BUCKET_MIN
 from fairseq_fsdp2.estimator.ledger import CATEGORIES, unit_sizes
+from fairseq_fsdp2.estimator import model_profile
 from fairseq_fsdp2.estimator.model_profile import resolve, trace_forward, workload_for
 from fairseq_fsdp2.estimator.peak import cpu_baseline_bytes, estimate
 from fairseq_fsdp2.memory.charts import per_rank_series, read_memory_log
@@ -44,17 +45,29 @@ NLLB_PARAMS = {"transformer_nllb_600m": 615_073_792, "transformer_nllb_1_3b": 1_
                "transformer_nllb_3_3b": 3_344_863_232}
 
 
+@pytest.fixture(scope="module")
+def models():
+    """The module's meta models and profiles, each made once (from_args.ModelCache, as one
+    estimate command or one run of the doc tables shares them): NLLB's 256,206-word dictionary
+    made once, not for every estimate."""
+    cache = from_args.ModelCache()
+    yield cache
+    cache.models.clear()
+    cache.profiles.clear()
+    cache.dictionaries.clear()
+
+
 def resident_gib() -> float:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 2 ** 20
 
 
 @pytest.mark.parametrize("arch", list(NLLB_PARAMS))
-def test_nllb_sizes_1_to_64_ranks_without_allocating(arch):
+def test_nllb_sizes_1_to_64_ranks_without_allocating(arch, models):
     before = resident_gib()
     default, always = (
         cli.estimate_args(nllb_args(arch, "--fp16", "--fsdp2-root-reshard", rr,
-                                    "--world-size", "1", "2", "8", "64"))
+                                    "--world-size", "1", "2", "8", "64"), models)
         for rr in ("default", "always"))
     params = NLLB_PARAMS[arch]
     assert resident_gib() - before < 0.5  # the model alone would be params x 4 bytes
@@ -77,7 +90,7 @@ def test_nllb_sizes_1_to_64_ranks_without_allocating(arch):
     assert always[-1].classes[0].breakdown["gathered"] < NLLB_VOCAB * dim * 2
 
 
-def test_tied_gradient_buffer_keeps_one_embedding_gradient():
+def test_tied_gradient_buffer_keeps_one_embedding_gradient(models):
     """The tied-gradient buffer (default): the fused loss's weight gradient and the two lookups'
     rows add into one vocab x dim buffer; without it each lookup's backward makes a dense
     vocab x dim gradient that autograd then adds to the loss's (two at once). Reduced early
@@ -91,7 +104,7 @@ def test_tied_gradient_buffer_keeps_one_embedding_gradient():
         setup = from_args.setup_for(args, 2)
         assert setup.tied_grad_buffer == (extra != ["--fsdp2-no-tied-grad-buffer"])
         assert setup.tied_early_reduce == (not extra)
-        ledgers.append(simulate_fsdp2(from_args.profile_for(args), setup))
+        ledgers.append(simulate_fsdp2(models.profile(args), setup))
     stock, buffered, early = ledgers
     one = NLLB_VOCAB * 1024 * 4  # one fp32 vocab x dim gradient
     saved = stock.max["grads"] - buffered.max["grads"]
@@ -109,37 +122,38 @@ def test_tied_gradient_buffer_keeps_one_embedding_gradient():
     assert early.max["grads"] < buffered.max["grads"]
 
 
-def test_uneven_shards_make_rank_classes_and_hsdp_shards_within_groups():
-    (eight,) = cli.estimate_args(nllb_args("transformer_nllb_600m", "--world-size", "8"))
+def test_uneven_shards_make_rank_classes_and_hsdp_shards_within_groups(models):
+    (eight,) = cli.estimate_args(nllb_args("transformer_nllb_600m", "--world-size", "8"), models)
     # 256,206 rows over 8 ranks: 32,026 on ranks 0-6, 32,024 on rank 7
     assert [c.ranks for c in eight.classes] == [[0, 1, 2, 3, 4, 5, 6], [7]]
     diff = eight.classes[0].breakdown["sharded"] - eight.classes[1].breakdown["sharded"]
     assert diff == 2 * 1024 * 4
     (hsdp,) = cli.estimate_args(nllb_args("transformer_nllb_600m", "--world-size", "8",
-                                          "--replicate-degree", "2"))
-    (four,) = cli.estimate_args(nllb_args("transformer_nllb_600m", "--world-size", "4"))
+                                          "--replicate-degree", "2"), models)
+    (four,) = cli.estimate_args(nllb_args("transformer_nllb_600m", "--world-size", "4"), models)
     assert hsdp.classes[0].breakdown["sharded"] == four.classes[0].breakdown["sharded"]
     assert hsdp.peak == four.peak
     assert sorted(r for c in hsdp.classes for r in c.ranks) == list(range(8))
 
 
-def test_legacy_ddp_and_chunked_loss():
+def test_legacy_ddp_and_chunked_loss(models):
     small = ["--arch", "transformer_nllb_tiny", "--encoder-embed-dim", "128",
              "--decoder-embed-dim", "128", "--max-tokens", "1024", "--cpu"]
     base = ["unused-data", "--task", "translation", "--vocab-size", str(NLLB_VOCAB), *small]
     one, two = cli.estimate_args(base + ["--ddp-backend", "legacy_ddp",
-                                         "--world-size", "1", "2"])
-    params = sum(p.numel() for p in from_args.build_meta_model(from_args.parse(base)).parameters())
+                                         "--world-size", "1", "2"], models)
+    params = sum(p.numel() for p in models.model(from_args.parse(base)).parameters())
     # every rank holds the model; from 2 ranks, also fairseq's model-sized all-reduce buffer
     assert two.classes[0].breakdown["comm"] == params * 4
     assert two.peak - one.peak == params * 4
     assert one.classes[0].breakdown["gathered"] == params * 4
     (fsdp,) = cli.estimate_args(base + ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1",
-                                        "--fsdp2-root-reshard", "always", "--world-size", "2"])
+                                        "--fsdp2-root-reshard", "always", "--world-size", "2"],
+                                models)
     (chunked,) = cli.estimate_args(base + [
         "--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", "--fsdp2-root-reshard", "always",
         "--criterion", "label_smoothed_cross_entropy_chunked", "--loss-chunk-tokens", "64",
-        "--world-size", "2"])
+        "--world-size", "2"], models)
     assert fsdp.classes[0].moment == "loss backward: log-softmax gradient"
     assert fsdp.classes[0].breakdown["loss"] == 3 * 1024 * NLLB_VOCAB * 4
     assert chunked.classes[0].breakdown["loss"] <= 64 * NLLB_VOCAB * 4 * 3 + 1024 * 128 * 4
@@ -149,7 +163,7 @@ def test_legacy_ddp_and_chunked_loss():
     assert cpu_baseline_bytes(NLLB_VOCAB) > cpu_baseline_bytes(100)
 
 
-def test_16_bit_adam_moments_halve_the_optimizer_state():
+def test_16_bit_adam_moments_halve_the_optimizer_state(models):
     """--fp16-adam-stats (and --bf16-adam-stats on FSDP2): two 2-byte moments per parameter
     element instead of two 4-byte ones; during the optimizer step, the largest shard's moments
     are float32 as well (optimizer/adam_stats.py steps one parameter at a time). Stock
@@ -159,7 +173,7 @@ def test_16_bit_adam_moments_halve_the_optimizer_state():
 
     def setup(*flags, world=2):
         return from_args.setup_for(from_args.parse(base + list(flags)), world)
-    profile = from_args.profile_for(from_args.parse(base + ["--fp16"]))  # fp16 and bf16 alike
+    profile = models.profile(from_args.parse(base + ["--fp16"]))  # fp16 and bf16 alike
     fp32 = estimate(profile, setup("--fp16"))
     full = fp32.classes[0].breakdown
     for flags, stats in ((["--fp16", "--fp16-adam-stats"], "fp16"),
@@ -186,7 +200,7 @@ def test_16_bit_adam_moments_halve_the_optimizer_state():
     assert setup(*ddp, "--bf16", "--bf16-adam-stats", world=1).adam_stats == "fp32"
 
 
-def test_16_bit_reduce_dtype_halves_the_reduce_scatter_input(capsys):
+def test_16_bit_reduce_dtype_halves_the_reduce_scatter_input(capsys, models):
     """--fsdp2-reduce-dtype fp16 (with --fp16) or bf16 (with --bf16): FSDP2's reduce-scatter
     input holds 2 bytes per element instead of 4, and so does its output, which FSDP2 then
     casts to the fp32 sharded gradient (_to_dtype_if_needed: both alive at the cast; FSDP2's
@@ -200,7 +214,7 @@ def test_16_bit_reduce_dtype_halves_the_reduce_scatter_input(capsys):
     base = nllb_args("transformer_nllb_3_3b", "--criterion", "label_smoothed_cross_entropy_chunked",
                      "--loss-chunk-tokens", "256", "--fsdp2-root-reshard", "always",
                      "--checkpoint-activations", "--fsdp2-no-tied-early-reduce")
-    profile = from_args.profile_for(from_args.parse(base + ["--fp16"]))  # fp16 and bf16 alike
+    profile = models.profile(from_args.parse(base + ["--fp16"]))  # fp16 and bf16 alike
     shared = next(u for u in profile.units if set(profile.output_paths) & set(u.module_paths))
     local, padded, _ = unit_sizes(shared, 2, 0)
     for precision in ("fp16", "bf16"):
@@ -228,7 +242,7 @@ def test_16_bit_reduce_dtype_halves_the_reduce_scatter_input(capsys):
 
 
 
-def test_8_bit_adam_moments_take_a_byte_per_element_and_a_float32_per_block():
+def test_8_bit_adam_moments_take_a_byte_per_element_and_a_float32_per_block(models):
     """--eight-bit-adam-stats on NLLB's tiny architecture (vocabulary 256206): the weights'
     moments a byte per element and 4 bytes per block of 256 in a row, the biases' and norms'
     float32 (rows of 2 ranks' shards: their sum over the ranks is the whole); at the optimizer
@@ -243,7 +257,7 @@ def test_8_bit_adam_moments_take_a_byte_per_element_and_a_float32_per_block():
     args = from_args.parse(base + ["--eight-bit-adam-stats"])
     setups = [from_args.setup_for(args, 2), from_args.setup_for(from_args.parse(base), 2)]
     assert [s.adam_stats for s in setups] == ["8bit", "fp32"]
-    profile = from_args.profile_for(args)
+    profile = models.profile(args)
     shapes = [shape for u in profile.units for shape in u.shapes]
     want = sum(2 * (math.prod(s) + 4 * s[0] * -(-math.prod(s[1:]) // 256)) if quantizable(s)
                else 8 * math.prod(s) for s in shapes)
@@ -262,7 +276,7 @@ def test_8_bit_adam_moments_take_a_byte_per_element_and_a_float32_per_block():
     assert from_args.setup_for(ddp, 1).adam_stats == "fp32"
 
 
-def test_16_bit_gradient_shards_and_the_row_chunked_step():
+def test_16_bit_gradient_shards_and_the_row_chunked_step(models):
     """--fsdp2-reduce-dtype fp16 with Adam (float32 or 8-bit moments): the trainer keeps the
     reduce-scatter's 16-bit output as the sharded gradient (sharding/sixteen_bit_grads.py), 2 bytes
     per element where FSDP2's cast made 4 (--fsdp2-fp32-grad-shards), and Adam steps a chunk of
@@ -278,7 +292,7 @@ def test_16_bit_gradient_shards_and_the_row_chunked_step():
                      "--loss-chunk-tokens", "256", "--fsdp2-root-reshard", "always",
                      "--checkpoint-activations", "--fp16", "--fsdp2-reduce-dtype", "fp16",
                      "--fsdp2-no-tied-early-reduce")  # FSDP2 reduces the tied embedding
-    profile = from_args.profile_for(from_args.parse(base))
+    profile = models.profile(from_args.parse(base))
     shared = next(u for u in profile.units if set(profile.output_paths) & set(u.module_paths))
     local = unit_sizes(shared, 2, 0)[0]
     for stats in ([], ["--eight-bit-adam-stats"]):
@@ -304,13 +318,13 @@ def test_16_bit_gradient_shards_and_the_row_chunked_step():
         assert not from_args.setup_for(from_args.parse(base + flags), 2).narrow_grads, flags
 
 
-def test_store_ema_adds_its_copy_of_the_weights():
+def test_store_ema_adds_its_copy_of_the_weights(models):
     """--store-ema: FSDP2 keeps the EMA of each rank's shards in the compute dtype (fp32 with
     --ema-fp32); stock fairseq deep-copies the whole (halved) model, plus a float32 copy with
     --ema-fp32 under --fp16. Nothing else changes, and the breakdown shows the EMA only when
     there is one."""
     base = nllb_args("transformer_nllb_tiny")
-    profiles = {precision: from_args.profile_for(from_args.parse(base + flags))
+    profiles = {precision: models.profile(from_args.parse(base + flags))
                 for precision, flags in (("fp16", ["--fp16"]), ("fp32", []))}
 
     def breakdown(*flags, world=2):
@@ -331,21 +345,22 @@ def test_store_ema_adds_its_copy_of_the_weights():
         assert "EMA (--store-ema)" in est.table() and "EMA" not in plain_est.table()
 
 
-def test_an_optimizer_it_does_not_model_is_counted_as_adam_and_said():
-    (adam,) = cli.estimate_args(nllb_args("transformer_nllb_tiny"))
-    (other,) = cli.estimate_args(nllb_args("transformer_nllb_tiny", "--optimizer", "adafactor"))
+def test_an_optimizer_it_does_not_model_is_counted_as_adam_and_said(models):
+    (adam,) = cli.estimate_args(nllb_args("transformer_nllb_tiny"), models)
+    (other,) = cli.estimate_args(nllb_args("transformer_nllb_tiny", "--optimizer", "adafactor"),
+                                 models)
     assert other.classes[0].breakdown["optim"] == adam.classes[0].breakdown["optim"] > 0
     assert not any("not modelled" in n for n in adam.notes)
     assert "optimizer adafactor: its state is not modelled; counted as Adam's" in \
         "\n".join(other.notes)
 
 
-def test_layerdrop_is_planned_for_an_update_that_drops_no_layer():
+def test_layerdrop_is_planned_for_an_update_that_drops_no_layer(models):
     """--encoder/--decoder-layerdrop skip random layers in training: the peak to plan for is an
     update that runs them all (the trace ran train mode, where p = 1 skipped every layer)."""
-    (plain,) = cli.estimate_args(nllb_args("transformer_nllb_tiny"))
+    (plain,) = cli.estimate_args(nllb_args("transformer_nllb_tiny"), models)
     (dropping,) = cli.estimate_args(nllb_args("transformer_nllb_tiny", "--encoder-layerdrop", "1",
-                                              "--decoder-layerdrop", "1"))
+                                              "--decoder-layerdrop", "1"), models)
     assert dropping.peak == plain.peak and dropping.classes[0].breakdown == \
         plain.classes[0].breakdown
 
@@ -410,6 +425,86 @@ def test_meta_trace_counts_what_a_real_forward_saves():
     assert trace.act_bytes - cuda.act_bytes >= 6 * 8 * 4 * 21 * 21 * 4
 
 
+def counting_module_calls(trace):
+    """``trace`` (trace_forward), which also returns how many module calls it made."""
+    def counted(*args, **kwargs):
+        count = [0]
+        hook = torch.nn.modules.module.register_module_forward_hook(
+            lambda *_: count.__setitem__(0, count[0] + 1))
+        try:
+            return trace(*args, **kwargs), count[0]
+        finally:
+            hook.remove()
+    return counted
+
+
+@pytest.mark.parametrize("flags", [
+    ["--fp16"],
+    ["--bf16", "--criterion", "label_smoothed_cross_entropy_chunked", "--loss-chunk-tokens", "64",
+     "--checkpoint-activations", "--decoder-layerdrop", "1"],
+    ["--fp16", "--lora-rank", "4"],
+], ids=["stock loss", "chunked, checkpointed, layerdrop", "lora"])
+def test_replayed_layers_trace_as_run_layers(flags, monkeypatch):
+    """A layer called as one traced before replays its events instead of running
+    (estimator/forward_trace.py): the profile is the one every layer's run gives, event for
+    event, with the largest saved tensor of every layer, on the CPU's and CUDA's attention
+    (NLLB's architecture with 4 layers a side: the encoder's layers 1-3 and the decoder's layer
+    2 replay; the decoder's layer 0 saves the encoder's output, its last layer the attention
+    weights: both run; a script compared the 600M, 1.3B and 3.3B sizes so)."""
+    args = from_args.parse(["unused-data", "--task", "translation", "--vocab-size", "64",
+                            "--arch", "transformer_nllb_tiny", "--encoder-layers", "4",
+                            "--decoder-layers", "4", "--max-tokens", "256", "--seq-len", "32",
+                            "--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", *flags])
+    model = from_args.build_meta_model(args)
+    profiles, calls = [], []
+    for replay in (True, False):
+        def trace(*a, replay=replay, **k):
+            traced, count = counting_module_calls(trace_forward)(*a, **k, replay=replay)
+            calls.append(count)
+            return traced
+        monkeypatch.setattr(model_profile, "trace_forward", trace)
+        profiles.append(from_args.profile_for(args, model))
+    replayed, run = profiles
+    for device in ("cpu", "cuda"):
+        ours, theirs = replayed.trace_for(device), run.trace_for(device)
+        assert ours.events == theirs.events and ours.max_act == theirs.max_act, device
+        assert ours.act_bytes == theirs.act_bytes > 0
+        assert getattr(ours, "recompute", None) == getattr(theirs, "recompute", None)
+    assert any(kind == "enter" and path == "decoder.layers.2" for kind, path in ours.events)
+    assert calls[0] < calls[1]  # layers replayed, not run
+
+
+class SavesLayerInputsAgain(torch.nn.Module):
+    """Layers whose inputs the model saves again after them (a weighted sum of every layer's
+    input): a replayed layer saves its input as the run one did."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 8)
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8))
+                                          for _ in range(4))
+        self.mix = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, src_tokens, src_lengths, prev_output_tokens, features_only=False):
+        x, inputs = self.embed(src_tokens), []
+        for layer in self.layers:
+            inputs.append(x)
+            x = layer(x) + 1  # a new tensor, saved by no operation of the layer
+        return x + sum(w * i for w, i in zip(self.mix, inputs))
+
+
+def test_a_replayed_layer_saves_its_inputs_as_the_run_one():
+    with torch.device("meta"):
+        model = SavesLayerInputsAgain()
+    layers = [f"layers.{i}" for i in range(4)]
+    (fast, fewer), (slow, every) = (
+        counting_module_calls(trace_forward)(model, layers, workload_for(None, 2, 3),
+                                             torch.float32, False, replay=replay)
+        for replay in (True, False))
+    assert fast.events == slow.events and fast.max_act == slow.max_act
+    assert fewer < every  # layers replayed, not run
+
+
 # -- 2. the plot -----------------------------------------------------------------------------
 
 def test_plot_memory_writes_a_png(tmp_path, capsys):
@@ -437,7 +532,7 @@ def test_plot_memory_writes_a_png(tmp_path, capsys):
     assert not (tmp_path / "bad.png").exists()
 
 
-def test_bf16_weights_halve_the_sharded_parameters():
+def test_bf16_weights_halve_the_sharded_parameters(models):
     """--memory-efficient-bf16 with Adam (settings.keeps_bf16_weights): the trained shards in
     bf16, 2 bytes per element where --bf16's fp32 masters take 4, and nothing else kept
     changes where --bf16's gradient shards are bf16 too (--fsdp2-reduce-dtype bf16: both keep
@@ -454,7 +549,7 @@ def test_bf16_weights_halve_the_sharded_parameters():
     base = nllb_args("transformer_nllb_3_3b", "--criterion", "label_smoothed_cross_entropy_chunked",
                      "--loss-chunk-tokens", "256", "--fsdp2-root-reshard", "always",
                      "--checkpoint-activations", "--eight-bit-adam-stats", "--max-tokens", "2048")
-    profile = from_args.profile_for(from_args.parse(base + ["--bf16"]))
+    profile = models.profile(from_args.parse(base + ["--bf16"]))
     setups = {name: from_args.setup_for(from_args.parse(base + flags), 1) for name, flags in (
         ("masters", ["--bf16", "--fsdp2-reduce-dtype", "bf16"]),
         ("ours", ["--memory-efficient-bf16", "--fsdp2-reduce-dtype", "bf16"]),

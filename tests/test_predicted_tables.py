@@ -36,10 +36,20 @@ SETUP_ONLY = {"world_size", "fit_gb", "cpu_baseline_gb", "fp16_adam_stats", "bf1
               "fsdp2_no_tied_early_reduce", "fsdp2_step_in_backward"}
 
 
+@pytest.fixture(scope="module")
+def models():
+    """The meta models of this module's estimates, each built once, as one run of
+    scripts/predicted_tables.py builds them (from_args.ModelCache); dropped after the module."""
+    cache = from_args.ModelCache()
+    yield cache
+    cache.models.clear()
+    cache.dictionaries.clear()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_profile_per_model_and_workload():
     """The tables and the prose estimate NLLB-3.3B with the recipe's settings under many
-    optimizer and reduction settings; each profile (most of an estimate's 1-3 s) is made once
+    optimizer and reduction settings; each profile (most of an estimate's time) is made once
     here for every command line equal but for SETUP_ONLY, as estimates() shares one between
     world sizes. Only this module's figures are made so: the documents come from
     scripts/predicted_tables.py, which makes every profile anew, so a SETUP_ONLY option that
@@ -48,12 +58,10 @@ def one_profile_per_model_and_workload():
     real, made = from_args.profile_for, {}
 
     def profile_for(args, model=None):
-        if model is not None:
-            return real(args, model)
         assert SETUP_ONLY <= set(vars(args)), SETUP_ONLY - set(vars(args))  # one renamed
         key = repr(sorted((k, v) for k, v in vars(args).items() if k not in SETUP_ONLY))
         if key not in made:
-            made[key] = real(args)
+            made[key] = real(args, model)
         return made[key]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(from_args, "profile_for", profile_for)
@@ -61,12 +69,12 @@ def one_profile_per_model_and_workload():
 
 
 @pytest.mark.parametrize("table", TABLES, ids=[t.name for t in TABLES])
-def test_each_predicted_table_is_what_the_estimator_prints_for_its_commands(table):
+def test_each_predicted_table_is_what_the_estimator_prints_for_its_commands(table, models):
     text = (REPO / table.document).read_text()
     block = documented(text, table.name)
     assert block is not None, f"{table.document} lost its '{table.name}' table"
     # a fit table's documented --max-tokens are checked at their edge (fit.py), not searched
-    assert block == render(table, documented_cells(block, table)), \
+    assert block == render(table, documented_cells(block, table), models), \
         f"{table.document}: the '{table.name}' table is stale; run scripts/predicted_tables.py"
 
 
@@ -77,16 +85,19 @@ def test_no_predicted_table_in_the_docs_is_left_out_of_the_generator():
     assert found == known
 
 
-def test_a_changed_figure_or_command_is_caught():
+def test_a_changed_figure_or_command_is_caught(models):
     """The comparison above sees one figure or one recorded command changed."""
     table = next(t for t in TABLES if not t.fit_gb)  # a table of peaks
-    fresh = replaced(f"x\n<!-- predicted: {table.name} -->\n<!-- predicted: end -->\ny\n", table)
+    fresh = replaced(f"x\n<!-- predicted: {table.name} -->\n<!-- predicted: end -->\ny\n", table,
+                     models)
     block = documented(fresh, table.name)
-    assert block == render(table) and fresh.startswith("x\n") and fresh.endswith("\ny\n")
+    assert block == render(table, models=models) and fresh.startswith("x\n") and \
+        fresh.endswith("\ny\n")
     figure = re.search(r"\| (\d+\.\d\d) \|", block).group(1)
-    assert block.replace(f"| {figure} |", "| 0.01 |", 1) != render(table)
+    assert block.replace(f"| {figure} |", "| 0.01 |", 1) != render(table, models=models)
 
-    assert block.replace("--max-tokens 4096", "--max-tokens 2048", 1) != render(table)
+    assert block.replace("--max-tokens 4096", "--max-tokens 2048", 1) != \
+        render(table, models=models)
 
 
 def benchmark_sections() -> dict[str, str]:
@@ -123,29 +134,30 @@ def test_recorded_benchmark_commands_still_parse():
 # -- figures in prose (docs/memory.md, "NLLB-3.3B on two 24 GB GPUs without --cpu-offload") ----
 
 @functools.cache
-def nllb_3_3b(*flags: str, max_tokens: int = 4096):
+def nllb_3_3b(models, *flags: str, max_tokens: int = 4096):
     """The estimate for NLLB-3.3B with the recipe's settings, ``flags`` and ``max_tokens`` per
     GPU, at 2 GPUs (the prose's setting): its one class of ranks (each made once, for both
     pages' prose)."""
     argv = [str(max_tokens) if before == "--max-tokens" else arg
             for before, arg in zip(("",) + NLLB_GPU, NLLB_GPU)]
     (estimate,) = cli.estimate_args([*argv, "--arch", "transformer_nllb_3_3b", *RECIPE, *flags,
-                                     "--world-size", "2"])
+                                     "--world-size", "2"], models)
     (ranks,) = estimate.classes
     return ranks
 
 
-def prose_claims() -> list[str]:
+def prose_claims(models) -> list[str]:
     """Each figure of the section's prose, in the phrase that states it, computed from the
     estimator (and the tied embedding's size, for the parts of a category it names)."""
     gib = lambda n: n / 2 ** 30  # noqa: E731
-    stats16 = nllb_3_3b(*CKPT, *STATS16)
-    at_12288, at_13312 = (nllb_3_3b(*CKPT, *STATS16, max_tokens=t) for t in (12288, 13312))
-    reduce16 = nllb_3_3b(*CKPT, *STATS16, *REDUCE16)
-    stats8 = nllb_3_3b(*CKPT, *STATS8)
-    both = nllb_3_3b(*CKPT, *STATS8, *REDUCE16)
-    both_2048 = nllb_3_3b(*CKPT, *STATS8, *REDUCE16, max_tokens=2048)
-    no_early = nllb_3_3b(*CKPT, *STATS8, *REDUCE16, "--fsdp2-no-tied-early-reduce")
+    stats16 = nllb_3_3b(models, *CKPT, *STATS16)
+    at_12288, at_13312 = (nllb_3_3b(models, *CKPT, *STATS16, max_tokens=t)
+                          for t in (12288, 13312))
+    reduce16 = nllb_3_3b(models, *CKPT, *STATS16, *REDUCE16)
+    stats8 = nllb_3_3b(models, *CKPT, *STATS8)
+    both = nllb_3_3b(models, *CKPT, *STATS8, *REDUCE16)
+    both_2048 = nllb_3_3b(models, *CKPT, *STATS8, *REDUCE16, max_tokens=2048)
+    no_early = nllb_3_3b(models, *CKPT, *STATS8, *REDUCE16, "--fsdp2-no-tied-early-reduce")
     b, b8, bb = stats16.breakdown, stats8.breakdown, both.breakdown
     embedding = 256206 * NLLB_SIZES["transformer_nllb_3_3b"]["dim"]  # elements, tied
     fp16_grad = gib(embedding * 2)
@@ -187,21 +199,21 @@ def prose_claims() -> list[str]:
     ]
 
 
-def test_memory_prose_figures_are_what_the_estimator_predicts():
+def test_memory_prose_figures_are_what_the_estimator_predicts(models):
     """docs/memory.md's figures outside the generated tables: each phrase, with the figure the
     estimator gives today, is in the page (a figure that went stale fails here)."""
     text = " ".join((REPO / "docs" / "memory.md").read_text().split())
-    missing = [claim for claim in prose_claims() if claim not in text]
+    missing = [claim for claim in prose_claims(models) if claim not in text]
     assert not missing, "docs/memory.md states otherwise (expected phrases):\n" + "\n".join(missing)
 
 
-def one_gpu_in_backward_claims() -> list[str]:
+def one_gpu_in_backward_claims(models) -> list[str]:
     """docs/memory.md's "NLLB on one GPU" prose on the step in backward: why NLLB-3.3B fits no
     16 GB GPU, from the estimate of its one-GPU row (the table's own command): the bf16
     weights and 8-bit moments alone, and what the peak (the end of backward) adds to them."""
     table = next(t for t in TABLES if t.name == "one GPU")
     row = next(r for r in table.rows if "--fsdp2-step-in-backward" in r.argv)
-    (estimate,) = cli.estimate_args(table.command(row))
+    (estimate,) = cli.estimate_args(table.command(row), models)
     (ranks,) = estimate.classes
     b, gib = ranks.breakdown, (lambda n: n / 2 ** 30)  # noqa: E731
     assert "reduce-scatter shared" in ranks.moment
@@ -211,20 +223,20 @@ def one_gpu_in_backward_claims() -> list[str]:
             f"take {gib(b['grads'] + b['comm']):.2f} GiB more"]
 
 
-def test_one_gpu_step_in_backward_prose_is_what_the_estimator_predicts():
+def test_one_gpu_step_in_backward_prose_is_what_the_estimator_predicts(models):
     text = " ".join((REPO / "docs" / "memory.md").read_text().split())
-    missing = [claim for claim in one_gpu_in_backward_claims() if claim not in text]
+    missing = [claim for claim in one_gpu_in_backward_claims(models) if claim not in text]
     assert not missing, "docs/memory.md states otherwise (expected phrases):\n" + "\n".join(missing)
 
 
-def readme_prose_claims() -> list[str]:
+def readme_prose_claims(models) -> list[str]:
     """The figures of README's prose under its "Fitting NLLB on your GPUs" table (NLLB-3.3B on
     two 24 GB GPUs), each in the phrase that states it, from the estimates docs/memory.md's
     prose uses (nllb_3_3b: made once), and the fits they claim against the budgets the tables
     use (doc_tables.GPU_24GB_BUDGET, GPU_16GB_BUDGET)."""
     gib = lambda n: n / 2 ** 30  # noqa: E731
-    stats16 = nllb_3_3b(*CKPT, *STATS16)
-    both = nllb_3_3b(*CKPT, *STATS8, *REDUCE16)
+    stats16 = nllb_3_3b(models, *CKPT, *STATS16)
+    both = nllb_3_3b(models, *CKPT, *STATS8, *REDUCE16)
     # the parameters: the estimate's fp32 parameter shards, 4 bytes an element on each of 2
     # GPUs; with their fp32 gradients and Adam's two fp32 moments 16 bytes an element
     params = stats16.breakdown["sharded"] * 2 / 4
@@ -243,8 +255,8 @@ def readme_prose_claims() -> list[str]:
     ]
 
 
-def test_readme_prose_figures_are_what_the_estimator_predicts():
+def test_readme_prose_figures_are_what_the_estimator_predicts(models):
     """README's figures outside its generated tables, as docs/memory.md's above."""
     text = " ".join((REPO / "README.md").read_text().split())
-    missing = [claim for claim in readme_prose_claims() if claim not in text]
+    missing = [claim for claim in readme_prose_claims(models) if claim not in text]
     assert not missing, "README.md states otherwise (expected phrases):\n" + "\n".join(missing)

@@ -10,9 +10,11 @@ small tensor; no model, no training.
 from __future__ import annotations
 
 import ast
+import copy
 import itertools
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional
 
 import pytest
 import torch
@@ -63,8 +65,16 @@ def command_lines():
                 yield label, argv, amsgrad
 
 
-def parsed(argv, amsgrad: bool):
-    args = from_args.parse(argv)
+def parsed(argv, amsgrad: bool, parses: Optional[dict] = None):
+    """``argv`` parsed (once per command line in ``parses``: amsgrad, which has no flag, set on
+    a copy)."""
+    if parses is None or tuple(argv) not in parses:
+        args = from_args.parse(argv)
+        if parses is None:
+            args.amsgrad = amsgrad
+            return args
+        parses[tuple(argv)] = args
+    args = copy.copy(parses[tuple(argv)])
     args.amsgrad = amsgrad
     return args
 
@@ -92,9 +102,12 @@ def runtime_config(args, cfgs: dict):
 def runtime_decisions(cfg, amsgrad: bool):
     """What the run decides: the trainer whether its gradient shards stay 16-bit (as
     _build_optimizer asks it) and whether its weights are bf16 (as _shard asks it), the
-    optimizer (built anew: it is told the latter) whether its step is row-chunked given them."""
-    def decide():
-        wrapped = build_optimizer(cfg, [torch.nn.Parameter(torch.zeros(2, 2))])
+    optimizer (built by ``build``: it is told the latter) whether its step is row-chunked given
+    them (``decide``, given the optimizer: amsgrad set on its groups)."""
+    def build():
+        return build_optimizer(cfg, [torch.nn.Parameter(torch.zeros(2, 2))])
+
+    def decide(wrapped):
         inner = wrapped.optimizer  # the torch optimizer (under fairseq's fp16 wrapper too)
         for group in inner.param_groups:
             group["amsgrad"] = amsgrad
@@ -102,7 +115,22 @@ def runtime_decisions(cfg, amsgrad: bool):
         keeps = FSDP2Trainer._keeps_16_bit_grads(SimpleNamespace(cfg=cfg, _optimizer=wrapped))
         steps = getattr(inner, "steps_in_row_chunks", None)  # Adam's step only
         return moments, keeps, steps is not None and steps(keeps), keeps_bf16_weights(cfg)
-    return decide
+    return build, decide
+
+
+def built_consulting(build, functions: dict) -> tuple[object, set]:
+    """``build()``, and the names of the settings ``functions`` it called."""
+    consulted: set = set()
+
+    def recording(name, function):
+        def record(*args, **kwargs):
+            consulted.add(name)
+            return function(*args, **kwargs)
+        return record
+    with pytest.MonkeyPatch.context() as patch:
+        for name, function in functions.items():
+            patch.setattr(settings, name, recording(name, function))
+        return build(), consulted
 
 
 def estimator_decisions(args):
@@ -119,23 +147,36 @@ def test_the_run_and_the_estimator_decide_with_the_same_functions(monkeypatch):
     row-chunked step) equal the run's; with a settings
     function replaced (its answer negated), both sides still agree, and the decision it makes
     follows it on both sides: each side's answer is that function's output, not a copy of the
-    rule (a copy, even one that agrees today, keeps its own answer and is caught)."""
+    rule (a copy, even one that agrees today, keeps its own answer and is caught).
+
+    The optimizer is built anew with the function negated where its build calls that function;
+    otherwise the one built before serves (a build that never calls it cannot differ). amsgrad
+    has no flag: its two values share a command line, a config and so the optimizers built."""
     cfgs: dict = {}
+    parses: dict = {}
+    built: dict = {}  # (command line, the function negated or None) -> (optimizer, consulted)
     real = {name: getattr(settings, name) for name in
             ("step_takes_16_bit_grads", "keeps_16_bit_grads", "row_chunked_step",
              "keeps_bf16_weights")}
     seen = set()
     for label, argv, amsgrad in command_lines():
-        args = parsed(argv, amsgrad)
-        decide = runtime_decisions(runtime_config(args, cfgs), amsgrad)
-        truth = decide()
+        args = parsed(argv, amsgrad, parses)
+        build, decide = runtime_decisions(runtime_config(args, cfgs), amsgrad)
+        if (tuple(argv), None) not in built:
+            built.clear()
+            built[tuple(argv), None] = built_consulting(build, real)
+        optimizer, consulted = built[tuple(argv), None]
+        truth = decide(optimizer)
         assert estimator_decisions(args) == truth, label
         seen.add(truth[1:])
         if args.optimizer != "adam":
             continue  # no row-chunked step to redirect
         for name, function in real.items():
             monkeypatch.setattr(settings, name, negated(function))
-            runtime, estimated = decide(), estimator_decisions(args)
+            if name in consulted and (tuple(argv), name) not in built:
+                built[tuple(argv), name] = build(), None
+            runtime = decide(built[tuple(argv), name][0] if name in consulted else optimizer)
+            estimated = estimator_decisions(args)
             monkeypatch.setattr(settings, name, function)
             assert estimated == runtime, f"{label}: {name} negated"
             if name == "keeps_16_bit_grads":

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .fit import largest_max_tokens
-from .from_args import estimates, parse
+from .from_args import ModelCache, estimates, parse
 
 ESTIMATE = "python -m fairseq_fsdp2.estimate"
 END = "<!-- predicted: end -->"
@@ -165,18 +165,22 @@ TABLES = (
 
 
 @functools.cache  # the estimator is deterministic: a row's figures once per process
-def predicted_gib(table: Table, row: Row) -> tuple[float, ...]:
-    """The estimator's per-GPU peak (largest rank class, GiB) at each world size."""
-    return tuple(est.classes[0].peak_gb for est in estimates(parse(table.command(row))))
+def predicted_gib(table: Table, row: Row,
+                  models: Optional[ModelCache] = None) -> tuple[float, ...]:
+    """The estimator's per-GPU peak (largest rank class, GiB) at each world size (``models``:
+    the caller's meta models, shared between rows and tables)."""
+    return tuple(est.classes[0].peak_gb
+                 for est in estimates(parse(table.command(row)), models))
 
 
 @functools.cache
-def fitted(table: Table, row: Row, budget: float, claimed: tuple = ()) -> tuple[str, ...]:
+def fitted(table: Table, row: Row, budget: float, claimed: tuple = (),
+           models: Optional[ModelCache] = None) -> tuple[str, ...]:
     """Each world size's largest --max-tokens that fits ``budget`` GiB, with its predicted
     peak. ``claimed``: the cells a document holds for them (checked at their edge, fit.py)."""
     claims = {w: _claimed_tokens(cell) for w, cell in zip(table.world_sizes, claimed)}
     fits = largest_max_tokens(parse(table.command(row, budget)), budget, table.world_sizes,
-                              {w: t for w, t in claims.items() if t != ()})
+                              {w: t for w, t in claims.items() if t != ()}, models)
     return tuple("none" if fit.max_tokens is None else
                  f"{fit.max_tokens}{'+' if fit.capped else ''} ({fit.peak_gb:.2f} GiB)"
                  for fit in fits)
@@ -201,10 +205,12 @@ def documented_cells(block: Optional[str], table: Table) -> dict[tuple, tuple[st
     return cells
 
 
-def render(table: Table, claimed: Optional[dict] = None) -> str:
+def render(table: Table, claimed: Optional[dict] = None,
+           models: Optional[ModelCache] = None) -> str:
     """The block between the markers: the table, then the command of each row. ``claimed``
     (``documented_cells`` of the block in the docs): fit cells checked at their edge rather
-    than searched for (the same block when they hold)."""
+    than searched for (the same block when they hold). ``models``: the caller's meta models
+    (from_args.ModelCache), each built once for all the tables it renders."""
     gpus = lambda w: f"{w} GPU{'s' if w > 1 else ''}"  # noqa: E731
     if not table.fit_gb:
         header = [*table.label_header, *(gpus(w) for w in table.world_sizes)]
@@ -218,9 +224,10 @@ def render(table: Table, claimed: Optional[dict] = None) -> str:
     for row in table.rows:
         have = (claimed or {}).get(row.labels, ())
         per_budget = len(table.world_sizes)
-        values = ([f"{v:.2f}" for v in predicted_gib(table, row)] if not table.fit_gb
+        values = ([f"{v:.2f}" for v in predicted_gib(table, row, models)] if not table.fit_gb
                   else [cell for i, gb in enumerate(table.fit_gb) for cell in fitted(
-                      table, row, gb, tuple(have[i * per_budget:(i + 1) * per_budget]))])
+                      table, row, gb, tuple(have[i * per_budget:(i + 1) * per_budget]),
+                      models)])
         lines.append("| " + " | ".join([*row.labels, *values]) + " |")
         name = ', '.join(label.replace('`', '') for label in row.labels)
         for budget in table.fit_gb or (None,):
@@ -247,9 +254,10 @@ def names_in(text: str) -> list[str]:
     return [n for n in re.findall(r"<!-- predicted: (.+?) -->", text) if n != "end"]
 
 
-def replaced(text: str, table: Table) -> str:
-    """``text`` with table's block made anew (the markers must be there)."""
+def replaced(text: str, table: Table, models: Optional[ModelCache] = None) -> str:
+    """``text`` with table's block made anew (the markers must be there; ``models``: as
+    ``render``'s)."""
     if documented(text, table.name) is None:
         raise ValueError(f"{table.document} has no '<!-- predicted: {table.name} -->' ... "
                          f"'{END}' block")
-    return block_pattern(table.name).sub(lambda _: render(table), text, count=1)
+    return block_pattern(table.name).sub(lambda _: render(table, models=models), text, count=1)

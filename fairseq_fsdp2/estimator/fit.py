@@ -13,7 +13,7 @@ import copy
 from dataclasses import dataclass
 from typing import Optional
 
-from .from_args import build_meta_model, profile_for, setup_for
+from .from_args import ModelCache, setup_for
 from .peak import estimate
 
 #: the largest --max-tokens tried: 64 times the granularity (65,536 tokens at 128-token
@@ -39,8 +39,8 @@ class Fit:
                 f"{self.peak_gb:.2f} GiB")
 
 
-def largest_max_tokens(args, budget_gb: float, world_sizes,
-                       claimed: Optional[dict] = None) -> list[Fit]:
+def largest_max_tokens(args, budget_gb: float, world_sizes, claimed: Optional[dict] = None,
+                       models: Optional[ModelCache] = None) -> list[Fit]:
     """For each of ``world_sizes``, bisection over the --max-tokens values that give different
     batches (module docstring). The profile of a batch (one trace) does not depend on the world
     size: each is made once for all of them.
@@ -49,17 +49,17 @@ def largest_max_tokens(args, budget_gb: float, world_sizes,
     document records it. A claim is checked at its edge only (it fits and the next batch does
     not, or the smallest does not fit), two traces instead of the search's eight; since the
     peak does not fall as the batch grows, a claim that holds there is what the search finds.
-    One that does not hold is searched for as without a claim."""
+    One that does not hold is searched for as without a claim.
+
+    ``models``: where the model and its profiles are taken from (the caller's, e.g. the
+    estimate command's for its estimates too; without, this search's own)."""
     step = args.seq_len * max(int(getattr(args, "required_batch_size_multiple", 8) or 1), 1)
-    model = build_meta_model(args)
-    profiles = {}
+    models = models if models is not None else ModelCache()
 
     def profile(k: int):
-        if k not in profiles:
-            trial = copy.copy(args)
-            trial.max_tokens = k * step
-            profiles[k] = profile_for(trial, model)
-        return profiles[k]
+        trial = copy.copy(args)
+        trial.max_tokens = k * step
+        return models.profile(trial)
 
     def search(world_size: int) -> Fit:
         setup = setup_for(args, world_size)

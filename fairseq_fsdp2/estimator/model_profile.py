@@ -2,22 +2,23 @@
 
 ``build_profile`` turns a (meta-device) fairseq model, its sharding plan and a workload into a
 ``ModelProfile``: each unit's parameter shapes, which modules own which unit, and the forward's
-activation events traced on the meta device (see ``peak.py`` for the modelling rules).
+activation events traced on the meta device (``forward_trace.py``; see ``peak.py`` for the
+modelling rules).
 """
 from __future__ import annotations
 
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
 from fairseq.data import Dictionary
 from fairseq.modules import LayerDropModuleList
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..sharding.plan import ROOT, ShardingPlan, build_plan, layer_candidates
+from .forward_trace import ForwardTrace, Workload, resolve, trace_forward
 
 
 PRECISIONS = {"fp32": (torch.float32, 4), "fp16": (torch.float16, 2), "bf16": (torch.bfloat16, 2)}
@@ -36,22 +37,6 @@ class UnitSpec:
     @property
     def numel(self) -> int:
         return sum(math.prod(s) for s in self.shapes)
-
-
-@dataclass
-class ForwardTrace:
-    """What one forward pass does, in order: ("enter"|"exit", module path) and ("act", bytes)."""
-
-    events: list[tuple[str, object]]
-    act_bytes: int
-    max_act: dict[str, int]  # layer path -> its largest saved tensor (bytes)
-
-
-@dataclass
-class Workload:
-    tokens: int  # tokens per rank per micro-batch (batch x seq_len)
-    batch: int
-    seq_len: int
 
 
 @dataclass
@@ -78,17 +63,6 @@ class ModelProfile:
 
 
 # -- building the profile ---------------------------------------------------------------------
-
-class _NoPadding(TorchDispatchMode):
-    """Answers the data-dependent ``.any()`` checks fairseq makes on meta tensors ("are there
-    padding tokens?") with False: the estimate assumes full batches of equal-length sentences."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten._local_scalar_dense.default,
-                    torch.ops.aten.is_nonzero.default) and args[0].is_meta:
-            return False
-        return func(*args, **(kwargs or {}))
-
 
 def unit_specs(model: nn.Module, plan: ShardingPlan) -> list[UnitSpec]:
     """The plan's units with the shapes of the parameters each manages (same rules as
@@ -117,111 +91,6 @@ def _owners(model: nn.Module, specs: list[UnitSpec]) -> dict[int, str]:
             for p in m.parameters():
                 owner.setdefault(id(p), s.name)
     return owner
-
-
-def _is_attention(module: nn.Module) -> bool:
-    """fairseq's MultiheadAttention (and look-alikes)."""
-    return all(hasattr(module, a) for a in ("q_proj", "k_proj", "v_proj", "out_proj",
-                                             "num_heads"))
-
-
-def trace_forward(model: nn.Module, paths: Iterable[str], workload: Workload,
-                  dtype: torch.dtype, features_only: bool) -> ForwardTrace:
-    """Run the (meta) model forward once, in train mode, recording module entries and exits
-    for ``paths`` and the bytes of every tensor autograd saves (each storage once; parameters
-    and buffers excluded).
-
-    Inside attention modules, the tensors saved by the attention itself (not its inputs) are
-    recorded as one ("attn", (traced bytes, fused bytes)) event: the trace runs PyTorch's
-    reference attention, which saves the batch x heads x L x L probabilities (as CPU does);
-    CUDA's fused kernels save q, k, v, the output and the log-sum-exp instead (fused bytes).
-    ``resolve`` picks one of the two for a device."""
-    model = model.to(dtype)
-    model.train()
-    modules = dict(model.named_modules())
-    exclude = {t.untyped_storage()._cdata for t in list(model.parameters()) + list(model.buffers())}
-    events: list[tuple[str, object]] = []
-    seen: dict[int, torch.Tensor] = {}
-    max_act: dict[str, int] = {}
-    current: list[str] = []
-    attention: list[dict] = []
-
-    def pack(t):
-        storage = t.untyped_storage()
-        key = storage._cdata
-        if key not in exclude and key not in seen:
-            seen[key] = t
-            nbytes = storage.nbytes()
-            if attention and key not in attention[-1]["inputs"]:
-                attention[-1]["internal"] += nbytes
-            else:
-                events.append(("act", nbytes))
-            if current:
-                max_act[current[-1]] = max(max_act.get(current[-1], 0), nbytes)
-        return t
-
-    def pre(path):
-        def hook(module, args):
-            events.append(("enter", path))
-            current.append(path)
-        return hook
-
-    def post(path):
-        def hook(module, args, output):
-            events.append(("exit", path))
-            current.pop()
-        return hook
-
-    def attention_pre(module, args, kwargs):
-        names = ("query", "key", "value")
-        given = {n: kwargs.get(n, args[i] if i < len(args) else None)
-                 for i, n in enumerate(names)}
-        query = given["query"]
-        key = given["key"] if given["key"] is not None else query
-        attention.append({"inputs": {x.untyped_storage()._cdata for x in given.values()
-                                     if isinstance(x, torch.Tensor)},
-                          "internal": 0, "shape": (query.shape[0], key.shape[0],
-                                                   query.shape[1], query.shape[2]),
-                          "heads": module.num_heads, "itemsize": query.element_size()})
-
-    def attention_post(module, args, kwargs, output):
-        a = attention.pop()
-        tq, tk, b, d = a["shape"]
-        fused = (3 * tq + 2 * tk) * b * d * a["itemsize"] + b * a["heads"] * tq * 4
-        events.append(("attn", (a["internal"], fused)))
-
-    handles = []
-    for path in dict.fromkeys(paths):
-        m = modules[path]
-        handles.append(m.register_forward_pre_hook(pre(path)))
-        handles.append(m.register_forward_hook(post(path)))
-    for m in modules.values():
-        if _is_attention(m):
-            handles.append(m.register_forward_pre_hook(attention_pre, with_kwargs=True))
-            handles.append(m.register_forward_hook(attention_post, with_kwargs=True))
-    b, n = workload.batch, workload.seq_len
-    tokens = torch.full((b, n), 4, dtype=torch.long, device="meta")
-    lengths = torch.full((b,), n, dtype=torch.long, device="meta")
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _NoPadding():
-            model(tokens, lengths, tokens.clone(), features_only=features_only)
-    finally:
-        for h in handles:
-            h.remove()
-    return resolve(ForwardTrace(events, 0, max_act), "cpu", keep_attention=True)
-
-
-def resolve(trace: ForwardTrace, device: str, keep_attention: bool = False) -> ForwardTrace:
-    """The trace with attention events as activations of ``device`` (cpu: the reference
-    attention, as traced; cuda: fused attention kernels)."""
-    pick = 1 if device == "cuda" else 0
-    events = [e if e[0] != "attn" or keep_attention else ("act", e[1][pick])
-              for e in trace.events]
-    total = sum(v if k == "act" else v[pick] for k, v in events if k in ("act", "attn"))
-    out = ForwardTrace(events, total, trace.max_act)
-    if hasattr(trace, "recompute"):
-        out.recompute = trace.recompute  # type: ignore[attr-defined]
-    return out
 
 
 def workload_for(max_tokens: Optional[int], batch_size: Optional[int], seq_len: int,

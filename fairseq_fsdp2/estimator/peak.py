@@ -43,7 +43,8 @@ Batches are full (--max-tokens / --seq-len sentences, rounded down to
 --required-batch-size-multiple) and unpadded.
 
 The estimator's modules: ``model_profile.py`` (the model as data: units, forward trace,
-workload), ``ledger.py`` (the setup and the ledger), ``fsdp2_step.py`` (FSDP2's step),
+workload), ``forward_trace.py`` (the trace itself; a repeated layer's record replayed),
+``ledger.py`` (the setup and the ledger), ``fsdp2_step.py`` (FSDP2's step),
 ``ddp_step.py`` (legacy_ddp's step on the same ledger), ``from_args.py`` (fairseq-train arguments
 to a setup and a profile), and this one (the estimate per class of ranks, the CPU baseline, the
 printed report).

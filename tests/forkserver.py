@@ -28,6 +28,7 @@ import logging  # noqa: E402
 import runpy  # noqa: E402
 import select  # noqa: E402
 import socket  # noqa: E402
+import weakref  # noqa: E402
 from typing import Optional, Sequence  # noqa: E402
 
 # The heavy imports every run repeats. Not the plugin: importing it installs its changes into
@@ -47,6 +48,16 @@ import fairseq.quantization_utils  # noqa: E402,F401
 import hydra._internal.core_plugins.basic_launcher  # noqa: E402,F401
 import hydra._internal.core_plugins.structured_config_source  # noqa: E402,F401
 import hydra._internal.core_plugins.importlib_resources_config_source  # noqa: E402,F401
+# Imported later by many children, 0.005-0.03 CPU-s each (measured in a forked child): by
+# fairseq_cli.train (megatron_trainer), by the first batch of torch's DataLoader (its
+# record_function looks for the CUPTI monitor), by every torch.save/load (serialization.config)
+# and DCP save or load (its fsspec storage), and by every reader of a SentencePiece model
+# (the plugin's data preparation and vocabulary checks; protobuf).
+import fairseq.model_parallel.megatron_trainer  # noqa: E402,F401
+import torch.profiler._cupti_monitor  # noqa: E402,F401
+import torch.utils.serialization.config  # noqa: E402,F401
+import torch.distributed.checkpoint._fsspec_filesystem  # noqa: E402,F401
+import sentencepiece.sentencepiece_model_pb2  # noqa: E402,F401
 import warnings  # noqa: E402
 
 from fairseq import options  # noqa: E402
@@ -128,12 +139,12 @@ def end_as_the_interpreter_does(code: int) -> None:
     (concurrent.futures' pools), run the atexit handlers (logging's shutdown, weakref.finalize
     objects, the program's own), flush stdout and stderr; then end the process with ``code``.
     What it leaves out is the teardown of every module and object the fork server imported
-    (torch, fairseq): 0.3 CPU-s of a forked rank's ~1.0, in each of the suite's ~500 forked
-    processes, most of it copy-on-write page faults over the server's memory. A program whose
-    correctness depended on that teardown (data left in a buffered file it never closed, a
-    ``__del__`` with an effect outside the process) is already wrong: CPython does not promise
-    to run either at exit. The tests that run real ``python -m`` processes
-    (``fresh_interpreter=True``) keep the whole exit."""
+    (torch, fairseq) and the server's own weakref.finalize hooks (settle): 0.3 CPU-s of a forked
+    rank's ~1.0, in each of the suite's ~500 forked processes, most of it copy-on-write page
+    faults over the server's memory. A program whose correctness depended on that teardown
+    (data left in a buffered file it never closed, a ``__del__`` with an effect outside the
+    process) is already wrong: CPython does not promise to run either at exit. The tests that
+    run real ``python -m`` processes (``fresh_interpreter=True``) keep the whole exit."""
     import atexit
     import threading
     threading._shutdown()  # private: the interpreter's own first exit step; no public twin
@@ -157,12 +168,26 @@ def fork(request: dict, fds: Optional[list[int]] = None, close: Sequence = ()) -
     return pid
 
 
-def serve(socket_path: Optional[str]) -> None:
+def settle() -> None:
+    """Once, before the first fork: leave the children only their own work at exit and in
+    the collector."""
+    # The server's own weakref.finalize hooks would run at every child's exit: torch's 174,
+    # each undoing a torch.library registration made at import (0.045 CPU-s of each child's
+    # exit, two thirds of a child that does nothing). Undoing registrations in a process that is
+    # ending has no effect outside it: like the teardown of the modules the server imported,
+    # end_as_the_interpreter_does leaves them out (and a hook with an effect outside the
+    # process, made here, would have had it once per child). The hooks a child makes still run.
+    for finalizer in list(weakref.finalize._registry):  # private: the only list of them
+        finalizer.atexit = False
     # Everything imported so far is long-lived: move it out of the collector's sight, as gc's
     # documentation advises before forking. Each child's collections (during its run, and the
     # several full ones of interpreter exit, seconds each over torch and fairseq) then traverse
     # only what the child itself allocated; objects are still freed by reference counting.
     gc.freeze()
+
+
+def serve(socket_path: Optional[str]) -> None:
+    settle()
     stdin = sys.stdin.fileno()
     listener = None
     if socket_path:

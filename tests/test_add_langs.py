@@ -16,7 +16,7 @@ from fairseq.data import Dictionary, data_utils
 
 from fairseq_fsdp2.checkpoint.grown_embedding import dictionary_problem, plan_rows
 from fairseq_fsdp2.data import numbers
-from fairseq_fsdp2.data.grown_vocab import GROWTH_FILE
+from fairseq_fsdp2.data.growth_record import GROWTH_FILE
 from fairseq_fsdp2.data.prepare import PrepareError, prepare, read_lines
 from fairseq_fsdp2.data.spm_model import add_pieces, train_spm
 from fairseq_fsdp2.errors import CheckpointError, OptionError

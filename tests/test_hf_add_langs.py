@@ -33,7 +33,7 @@ from test_hf_nllb import MAX_LEN, TINY, hf_side  # noqa: F401  (the module's tra
 from fairseq_fsdp2.models.nllb_languages import lang_of_token
 from fairseq_fsdp2.consolidate import main as consolidate_main
 from fairseq_fsdp2.data import numbers
-from fairseq_fsdp2.data.grown_vocab import GROWTH_FILE
+from fairseq_fsdp2.data.growth_record import GROWTH_FILE
 from fairseq_fsdp2.data.prepare import prepare, read_lines, train_spm
 from fairseq_fsdp2.hf import vocab as hf_vocab
 

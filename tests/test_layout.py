@@ -4,8 +4,8 @@ docs/architecture.md draws hold (a module imports only its own folder or the lay
 The process is the caller's: only command_line/exits.py and process/sigterm.py (and ``__main__``
 blocks) end it, and only integration/registration.py changes fairseq's, torch's, hydra's or
 OmegaConf's modules and classes. What lives beside the package in the checkout (benchmarks/,
-recipes/, scripts/, tests/) is neither installed nor imported by it. Cheap: it parses the source
-and imports nothing."""
+recipes/, scripts/, tests/) is neither installed nor imported by it. Loading the plugin imports
+no package that fairseq-train does not. Cheap: it parses the source and imports nothing."""
 from __future__ import annotations
 
 import ast
@@ -256,6 +256,60 @@ def outside_imports(modules: dict[str, Path], outside: set[str]) -> list[str]:
     return sorted(found)
 
 
+#: what fairseq-train imports anyway: all that loading the plugin may import beyond the
+#: standard library (it runs in every process of a run, and of the suite's ~500)
+LOADED_WITH_FAIRSEQ = {"torch", "numpy", "fairseq", "fairseq_cli", "hydra", "omegaconf"}
+
+
+def imported_at_load(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """What importing the package runs: the modules reached from its ``__init__`` through
+    module-level import statements (not those inside functions or classes; a submodule's
+    packages too), each with the other top-level packages it imports at module level."""
+    found, todo = {}, [PACKAGE]
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        path = modules[name]
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found[name] = set()
+        nodes = list(ast.parse(path.read_text(), str(path)).body)
+        while nodes:
+            node = nodes.pop()
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = here.split(".")[: len(here.split(".")) - node.level + 1]
+                sources = [".".join(base + ([node.module] if node.module else []))]
+            elif isinstance(node, ast.ImportFrom):
+                sources = [node.module]
+            elif isinstance(node, ast.Import):
+                sources = [a.name for a in node.names]
+            else:  # an if, try or with at module level: its statements run too
+                nodes += [n for f in ("body", "orelse", "finalbody", "handlers")
+                          for n in getattr(node, f, None) or []]
+                continue
+            for source in sources:
+                if source.split(".")[0] != PACKAGE:
+                    found[name].add(source.split(".")[0])
+                    continue
+                names = [f"{source}.{a.name}" for a in getattr(node, "names", ())
+                         if isinstance(node, ast.ImportFrom)]
+                for target in [source] + [n for n in names if n in modules]:
+                    parts = target.split(".")
+                    todo += [".".join(parts[:i]) for i in range(1, len(parts) + 1)
+                             if ".".join(parts[:i]) in modules]
+    return found
+
+
+def imports_beyond_fairseqs(modules: dict[str, Path]) -> list[str]:
+    """Where loading the package imports a package that is neither the standard library's nor
+    among LOADED_WITH_FAIRSEQ."""
+    allowed = LOADED_WITH_FAIRSEQ | set(sys.stdlib_module_names) | {"__future__"}
+    return sorted(f"{name} imports {head}" for name, heads in imported_at_load(modules).items()
+                  for head in heads - allowed)
+
+
 def installed_packages(top: Path) -> list[str]:
     """The packages pyproject.toml's setuptools configuration installs from ``top``: as
     setuptools' ``packages.find`` finds them, every folder with an ``__init__.py`` under one
@@ -297,6 +351,14 @@ def test_the_benchmarks_recipes_and_scripts_stay_outside_the_package():
     assert not outside_imports(MODULES, outside)
     installed = installed_packages(REPO)
     assert PACKAGE in installed and all(p.split(".")[0] == PACKAGE for p in installed), installed
+
+
+def test_loading_the_plugin_imports_no_package_fairseq_train_does_not():
+    """--user-dir fairseq_fsdp2 is imported by every process of a run: what it imports beyond
+    the standard library is what fairseq-train imports anyway (torch, numpy, fairseq, hydra,
+    omegaconf); an optional package (SentencePiece with protobuf: 0.03 CPU-s in each process;
+    transformers, safetensors, matplotlib) is imported by the code that uses it, when it runs."""
+    assert not imports_beyond_fairseqs(MODULES)
 
 
 def test_every_import_names_a_module_of_the_package():
@@ -348,6 +410,28 @@ def test_the_checks_find_what_they_look_for(tmp_path):
     assert upward_imports(modules, layers) == [
         f"{a} (low/, layer 2) imports {b} (high/, layer 3)",
         f"{PACKAGE}.side.d (side/, layer 2) imports {c} (low/, layer 2)"]
+
+
+def test_the_load_check_follows_what_importing_the_package_runs(tmp_path):
+    """On a made-up package: module-level imports are followed (relative, absolute, from a
+    package, inside a module-level try), those inside functions and classes are not, nor are
+    modules nothing imports at module level."""
+    sources = {
+        "__init__.py": "from . import a\n",
+        "a.py": "import json\nimport torch.nn\nfrom .low import b\n"
+                "def f():\n    import transformers\nclass C:\n    import matplotlib\n",
+        "low/__init__.py": "",
+        "low/b.py": "try:\n    import sentencepiece\nexcept ImportError:\n    pass\n"
+                    "from fairseq_fsdp2 import c\n",
+        "c.py": "from google.protobuf import message\n",
+        "d.py": "import safetensors\n",
+    }
+    write_tree(tmp_path / PACKAGE, sources)
+    modules = modules_under(tmp_path)
+    loaded = imported_at_load(modules)
+    assert sorted(loaded) == sorted(f"{PACKAGE}{m}" for m in ("", ".a", ".low", ".low.b", ".c"))
+    assert imports_beyond_fairseqs(modules) == [f"{PACKAGE}.c imports google",
+                                                f"{PACKAGE}.low.b imports sentencepiece"]
 
 
 def test_the_process_checks_find_what_they_look_for(tmp_path):

@@ -64,3 +64,39 @@ def test_a_program_parsing_a_bad_command_line_gets_the_error(flags, message, cap
             *flags])
     assert str(raised.value) == message
     assert capsys.readouterr().err == ""
+
+
+def config_nodes(node, path: str = "") -> dict:
+    """Every node of an OmegaConf config by its path: its class, declared type, object type,
+    optionality and flags, and a leaf's value."""
+    from omegaconf import DictConfig, ListConfig
+    meta = node._metadata
+    found = {path: (type(node), meta.ref_type, meta.object_type, meta.optional, meta.flags)}
+    if node._is_none() or node._is_missing() or not isinstance(node, (DictConfig, ListConfig)):
+        found[path] += (repr(node._value()),)
+    else:
+        items = node._content.items() if isinstance(node, DictConfig) else \
+            enumerate(node._content)
+        for key, child in items:
+            found.update(config_nodes(child, f"{path}.{key}"))
+    return found
+
+
+def test_hydra_composes_from_the_schema_fairseqs_config_builds():
+    """The plugin gives fairseq's stored hydra schema its distributed_training node instead of
+    building the whole schema again (registration.py): what hydra loads is, node for node, what
+    building it from FairseqConfig (which carries the plugin's options) gives, the group's own
+    node too."""
+    import fairseq_fsdp2  # noqa: F401  (the plugin's options in fairseq's config)
+    from fairseq.dataclass.configs import FairseqConfig
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    store = ConfigStore.instance()
+    for name, built in (("config", FairseqConfig),
+                        ("distributed_training", FSDP2DistributedTrainingConfig)):
+        stored = config_nodes(store.load(f"{name}.yaml").node)
+        expected = config_nodes(OmegaConf.structured(built))
+        assert stored == expected, [p for p in expected if stored.get(p) != expected[p]]
+    assert FairseqConfig.__dataclass_fields__["distributed_training"].type is \
+        FSDP2DistributedTrainingConfig

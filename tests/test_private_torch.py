@@ -455,6 +455,9 @@ NOT_TORCH = {
     "._reconstruct": "numpy's multiarray module (checkpoint/safe_load.py)",
     "._sync_stats": "fairseq.trainer.Trainer, whose sample-size sum the step in backward makes "
                     "as train_step does (trainer/fsdp2_trainer.py)",
+    "._wrap_value_and_set": "omegaconf.DictConfig, building fairseq's hydra schema's "
+                            "distributed_training node (integration/registration.py; its result "
+                            "is checked in tests/test_options.py)",
 }
 
 

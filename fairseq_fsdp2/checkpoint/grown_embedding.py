@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from ..data.grown_vocab import GROWTH_FILE, read_record
+from ..data.growth_record import GROWTH_FILE, read_record
 from ..errors import CheckpointError
 from ..hf.nllb_weights import FAIRSEQ_EMBEDDING
 from ..models.nllb_languages import lang_of_token

@@ -13,12 +13,12 @@ SentencePiece model (spm_model.py), which encodes the data and becomes DEST/spm.
 ``--hf-model`` the model's tokenizer files are grown alike into DEST/hf_tokenizer
 (hf/tokenizer_files.py), for the export back to Hugging Face.
 
-DEST/vocab_growth.json records what was added where; fine-tuning reads it to check that the
-checkpoint has the rows the dictionary was grown from (checkpoint/grown_embedding.py).
+DEST/vocab_growth.json records what was added where (growth_record.py); fine-tuning reads it to
+check that the checkpoint has the rows the dictionary was grown from
+(checkpoint/grown_embedding.py).
 """
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,12 +29,10 @@ from ..hf.vocab import FILLER, dictionary_for
 from ..models.nllb_languages import NLLB200_LANGS, lang_of_token
 from .dictionary import FAIRSEQ_SPECIALS, lang_token, padding_lines, read_dict_lines, \
     read_dict_tokens
+from .growth_record import write_record
 from .inputs import PrepareError, check_code
 from .spm_model import add_pieces, model_type, normal_pieces, read_model, read_pieces_file, \
     train_spm
-
-#: the record of a grown vocabulary in the data directory
-GROWTH_FILE = "vocab_growth.json"
 
 
 @dataclass
@@ -189,8 +187,7 @@ def complete(growth: Growth, encoded_train: Sequence[Path], padding_factor: int)
 
 def write_outputs(growth: Growth, model: Path, dest: Path) -> None:
     """DEST/vocab_growth.json and, for a Hugging Face model, DEST/hf_tokenizer."""
-    (dest / GROWTH_FILE).write_text(json.dumps(growth.record(), ensure_ascii=False, indent=1)
-                                    + "\n", encoding="utf-8")
+    write_record(dest, growth.record())
     if growth.base.hf_dir is not None:
         tokens = [*FAIRSEQ_SPECIALS, *(line.split(" ")[0] for line in growth.dictionary_lines())]
         rows = [lang_of_token(t) or t for t in tokens]  # HF's names: xxx_Latn for __xxx_Latn__
@@ -204,8 +201,3 @@ def write_outputs(growth: Growth, model: Path, dest: Path) -> None:
 def copy_hf_tokenizer(hf_dir: Path, model: Path, dest: Path) -> None:
     """The model's tokenizer files, unchanged, into DEST/hf_tokenizer (for the export)."""
     write_tokenizer(hf_dir, dest / DATA_SUBDIR, model)
-
-
-def read_record(data_dir: Path) -> Optional[dict]:
-    path = Path(data_dir) / GROWTH_FILE
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None

@@ -428,3 +428,39 @@ def test_under_torchrun_the_ranks_share_the_directions(run, tmp_path):
     assert {d: r["scores"] for d, r in shared["directions"].items()} == \
         {d: r["scores"] for d, r in alone["directions"].items()}
     assert shared["signatures"] == alone["signatures"]
+
+
+def test_each_directions_configuration_is_the_one_its_command_line_converts_to(run):
+    """The translator converts fairseq's configuration once (generation.DirectionConfigs) and
+    gives each further direction a copy with its own direction options: for every direction
+    (one outside the data's pairs included, which generate_argv adds to --lang-pairs), exactly
+    what fairseq's own conversion of that direction's fairseq-generate command line gives,
+    every section and value, each configuration its own (compared after all were made); and
+    the conversion is not made again (fairseq's composes hydra's whole configuration, 0.2-0.3
+    CPU-s: a minute of an evaluation of NLLB's 200-odd directions)."""
+    from omegaconf import OmegaConf
+
+    from fairseq_fsdp2.evaluation import generation
+    from fairseq_fsdp2.evaluation.inputs import parse_direction, test_set
+    from fairseq_fsdp2.evaluation.models import model_source
+
+    _, data, save = run
+    test = test_set(data, "test")
+    model = model_source(str(save / "checkpoint_last.pt"), "m", test.dictionary)
+    gen = generation.Generation(device="cpu").resolved()
+    directions = [parse_direction(d) for d in (*DIRECTIONS, "fra_Latn-eng_Latn")]
+    converted = []
+    configs = generation.DirectionConfigs()
+    real = generation.fairseq_config
+
+    def counted(argv):
+        converted.append(argv)
+        return real(argv)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(generation, "fairseq_config", counted)
+        got = [configs(generation.generate_argv(test, d, model, gen)) for d in directions]
+    assert len(converted) == 1
+    for direction, cfg in zip(directions, got):
+        want = real(generation.generate_argv(test, direction, model, gen))
+        assert (cfg.task.source_lang, cfg.task.target_lang) == (direction.src, direction.tgt)
+        assert OmegaConf.to_container(cfg) == OmegaConf.to_container(want), direction

@@ -91,6 +91,52 @@ def fairseq_config(argv: list[str]):
     return convert_namespace_to_omegaconf(options.parse_args_and_arch(parser, argv))
 
 
+#: the options of generate_argv that name the direction; NLLB's task is configured by argparse,
+#: so fairseq's configuration holds them in the task's namespace only (cfg.task)
+DIRECTION_OPTIONS = ("source_lang", "target_lang", "lang_pairs")
+
+
+class DirectionConfigs:
+    """``fairseq_config(argv)`` for direction after direction of one test set and model:
+    fairseq's conversion (hydra composing its configuration from every option, 0.2-0.3 CPU-s)
+    made once, then for each further direction a copy with the task's direction options as
+    fairseq's parser reads them from that direction's command line. Where the command line
+    differs in anything else, or the task is not configured by argparse, it converts again.
+    Each configuration returned is its own (the task's namespace too, which a deep copy of
+    fairseq's configuration would share): a task that changes its own leaves the others."""
+
+    def __init__(self):
+        self.first = None
+
+    def __call__(self, argv: list[str]):
+        from argparse import Namespace
+
+        from fairseq import options
+        if self.first is None or not isinstance(self.first.task, Namespace):
+            self.first = fairseq_config(argv)
+            return self.copy(vars(self.first.task) if isinstance(self.first.task, Namespace)
+                             else None)
+        parsed = vars(options.parse_args_and_arch(options.get_generation_parser(), argv))
+        missing = object()
+        if any(getattr(self.first.task, k, missing) != v for k, v in parsed.items()
+               if k not in DIRECTION_OPTIONS):
+            return fairseq_config(argv)
+        return self.copy({**vars(self.first.task),
+                          **{name: parsed[name] for name in DIRECTION_OPTIONS}})
+
+    def copy(self, task: Optional[dict]):
+        """The first configuration, copied, with a namespace of ``task`` as its task."""
+        import copy
+        from argparse import Namespace
+
+        from fairseq.dataclass.utils import omegaconf_no_object_check
+        cfg = copy.deepcopy(self.first)
+        if task is not None:
+            with omegaconf_no_object_check():  # fairseq's own way to hold a namespace there
+                cfg.task = Namespace(**task)
+        return cfg
+
+
 @dataclass
 class Translations:
     hypotheses: list[str]
@@ -105,6 +151,7 @@ class FairseqTranslator:
         self.model, self.test, self.gen = model, test, gen.resolved()
         self.models = None
         self.saved_task_cfg = None
+        self.configs = DirectionConfigs()
 
     def _load(self, task, cfg) -> None:
         from fairseq import checkpoint_utils
@@ -127,7 +174,7 @@ class FairseqTranslator:
     def translate(self, direction: Direction,
                   progress: Callable = lambda it, **kw: it) -> Translations:
         from fairseq import tasks, utils
-        cfg = fairseq_config(generate_argv(self.test, direction, self.model, self.gen))
+        cfg = self.configs(generate_argv(self.test, direction, self.model, self.gen))
         task = tasks.setup_task(cfg.task)
         if self.models is None:
             self._load(task, cfg)

@@ -25,7 +25,7 @@ import pytest
 
 from conftest import REPO, train_args_for
 from launcher import ok, run_ranks
-from numerics import U16, U32, assert_runs_close
+from numerics import U16, assert_runs_close
 
 from fairseq_fsdp2.sharding.tied_grad_reduce import sparse_fits
 
@@ -85,28 +85,25 @@ def big_vocab_corpus(corpus, tmp_path_factory):
     return target
 
 
-# fp32 (the same check, on runs made there anyway): tests/test_memory_breakdown.py's
-# test_tied_early_reduce_matches_fsdp2s_reduction_in_fp32
-@pytest.mark.parametrize("precision", ["fp16"])
-def test_fairseq_train_matches_fsdp2s_reduction(big_vocab_corpus, tmp_path, precision):
+def test_fairseq_train_matches_fsdp2s_reduction_in_fp16(big_vocab_corpus, tmp_path):
     """Per update, loss and gradient norm of the early reduce against FSDP2 reducing the
-    buffer (--fsdp2-no-tied-early-reduce), fused chunked loss, 2 ranks.
+    buffer (--fsdp2-no-tied-early-reduce), fused chunked loss, 2 ranks, --fp16
+    --fsdp2-reduce-dtype fp16 (the fp32 case runs on tests/test_memory_breakdown.py's runs,
+    which make that pair anyway: test_tied_early_reduce_matches_fsdp2s_reduction_in_fp32).
 
     The rows' exchange is what runs: each rank's lookups are at most 2 x MAX_TOKENS rows, and
-    2 ranks' of them fit the dense gradient's bytes (asserted here with the rule itself).
+    2 ranks' of them fit the dense gradient's fp16 bytes (asserted here with the rule itself).
     DERIVED tolerance: the two runs differ only in how the tied weight's gradient is grouped:
     FSDP2 sums (projection + src lookup + tgt lookup) per rank, then over the 2 ranks; here the
     projections over the ranks, then each lookup's rows. Counting each lookup's rows as one
     term (as tests/test_chunked_loss.py's tolerance does), 6 terms per element, each addition
-    rounding by at most u of the terms' magnitude in either order: 2 x (6 + 1) x u per element
-    (u: U32, or U16 for the fp16 buffer and reduce dtype), which moves the gradient norm and
-    Adam's step by at most that fraction (the triangle inequality; m / sqrt(v) per element),
-    over these 3 updates."""
-    element = 4 if precision == "fp32" else 2
-    assert sparse_fits(2 * 2 * MAX_TOKENS, 32, element, VOCAB)
-    flags = ["--criterion", "label_smoothed_cross_entropy_chunked", "--loss-chunk-tokens", "128"]
-    if precision == "fp16":
-        flags += ["--fp16", "--fsdp2-reduce-dtype", "fp16"]
+    rounding by at most u of the terms' magnitude in either order: 2 x (6 + 1) x U16 per
+    element (the fp16 buffer and reduce dtype), which moves the gradient norm and Adam's step
+    by at most that fraction (the triangle inequality; m / sqrt(v) per element), over these 3
+    updates."""
+    assert sparse_fits(2 * 2 * MAX_TOKENS, 32, 2, VOCAB)
+    flags = ["--criterion", "label_smoothed_cross_entropy_chunked", "--loss-chunk-tokens", "128",
+             "--fp16", "--fsdp2-reduce-dtype", "fp16"]
     outputs = []
     for extra in ([], ["--fsdp2-no-tied-early-reduce"]):
         outputs.append(ok(run_ranks(2, lambda r: train_args_for(
@@ -115,8 +112,7 @@ def test_fairseq_train_matches_fsdp2s_reduction(big_vocab_corpus, tmp_path, prec
     early, stock = outputs
     assert "reduced into this rank's shard" in early
     assert "reduced into this rank's shard" not in stock
-    rel = 2 * (6 + 1) * (U32 if precision == "fp32" else U16)
-    assert_runs_close(early, stock, rel, UPDATES)
+    assert_runs_close(early, stock, 2 * (6 + 1) * U16, UPDATES)
 
 
 @pytest.mark.parametrize("flags, world, expected", [

@@ -52,7 +52,8 @@ def one_profile_per_model_and_workload():
     optimizer and reduction settings; each profile (most of an estimate's time) is made once
     here for every command line equal but for SETUP_ONLY, as estimates() shares one between
     world sizes. Only this module's figures are made so: the documents come from
-    scripts/predicted_tables.py, which makes every profile anew, so a SETUP_ONLY option that
+    scripts/predicted_tables.py, which shares a profile only between command lines equal but
+    for from_args.NOT_PROFILED (the ranks, the device, the budget), so a SETUP_ONLY option that
     came to change a profile would fail here (a table that differs), never pass unseen (tried:
     checkpoint_activations in SETUP_ONLY fails the 'fitting' table)."""
     real, made = from_args.profile_for, {}

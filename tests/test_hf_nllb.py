@@ -284,16 +284,22 @@ def recipe_lora_args(hub, save) -> list[str]:
     return cmd[5:]
 
 
+#: the fine-tune from the HF directory: its first update is compared, its last shows that it
+#: trains (loss down by more than 1: 17.53 at update 1, 14.96 at update 6 on this machine), its
+#: checkpoint is exported; updates 7-10 (it was 10) showed nothing more, at two ranks' cost
+FROM_HF_UPDATES = 6
+
+
 @pytest.fixture(scope="module")
 def finetuned(hub):
-    """Three 2-rank fine-tunes at once: from the HF directory (10 updates, saved), from the
+    """Three 2-rank fine-tunes at once: from the HF directory (FROM_HF_UPDATES, saved), from the
     same weights in a fairseq checkpoint file (1 update), and LoRA from the HF directory
     through scripts/finetune_nllb.sh (2 updates, saved)."""
     as_fairseq = hub.root / "hub_as_fairseq.pt"
     weights = hf_nllb.HFWeights(str(hub.dir))
     torch.save({"model": {k: v.clone() for k, v in weights.items()}}, as_fairseq)
     runs = {name: start_ranks(2, finetune_args(hub, source, hub.root / name, updates))
-            for name, source, updates in (("from_hf", hub.dir, 10),
+            for name, source, updates in (("from_hf", hub.dir, FROM_HF_UPDATES),
                                           ("from_fairseq", as_fairseq, 1))}
     lora_args = recipe_lora_args(hub, hub.root / "lora")
     runs["lora"] = start_ranks(2, lambda rank: lora_args)
@@ -307,7 +313,7 @@ def test_finetune_from_hf_weights_has_the_fairseq_checkpoints_first_update(finet
     from_hf = train_inner(finetuned.outputs["from_hf"])
     from_fairseq = train_inner(finetuned.outputs["from_fairseq"])
     assert "loaded pretrained weights from" in finetuned.outputs["from_hf"]
-    assert len(from_hf) == 10 and len(from_fairseq) == 1
+    assert len(from_hf) == FROM_HF_UPDATES and len(from_fairseq) == 1
     keys = ("loss", "nll_loss", "gnorm", "wpb", "bsz")
     assert {k: from_hf[0][k] for k in keys} == {k: from_fairseq[0][k] for k in keys}
     assert float(from_hf[-1]["loss"]) < float(from_hf[0]["loss"]) - 1.0  # and it trains

@@ -230,12 +230,16 @@ def test_ema_resumes_exactly_after_a_kill(ema, ours):
     """Killed (every rank) in update 4, rerun: resumed from update 3's save, every update and
     the EMA of every later save equal the uninterrupted run's, bit for bit. The EMA steps at
     update 4 because the --ema-update-freq count (1 at update 3) was saved with it; stock
-    fairseq keeps it in memory only, so its resumed run would step at update 5."""
-    ema.run("killed", fault="forward:4:all")
+    fairseq keeps it in memory only, so its resumed run would step at update 5. The killed run
+    starts from the uninterrupted run's save of update 2 (--restore-file, the same world size:
+    resumed exactly, as the rerun is), so it makes update 3 and its save only, not updates 1-3;
+    the rerun (the command without --restore-file) resumes from that save."""
+    ema.run("killed", "--restore-file", ema.save_dir("fsdp2") / "checkpoint_1_2.pt",
+            fault="forward:4:all")
     out = ema.run("killed")
     assert resumed_at(out) == 3
     assert_resumed_exactly(updates(out), updates(ema.fsdp2), 4)
-    again = saves(ema.save_dir("killed"))
+    again = {n: saved(ema.save_dir("killed") / f"checkpoint_1_{n}.pt") for n in (4, 5, 6)}
     for n in (4, 5, 6):
         assert all(torch.equal(again[n][1][k], ours[n][1][k]) for k in ours[n][1]), n
     assert not all(torch.equal(ours[4][1][k], ours[3][1][k]) for k in ours[3][1])

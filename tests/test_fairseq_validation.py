@@ -117,10 +117,19 @@ VALID_FIELDS = ("valid_num_updates", "valid_loss", "valid_bleu", "valid_best_ble
 
 @pytest.fixture(scope="module")
 def validation_killed(validation):
-    """Killed in the first update after the epoch-end save (every rank), then rerun."""
-    epoch_end = torch.load(validation.save_dir("fsdp2") / "checkpoint1.pt", weights_only=True)
+    """Killed in the first update after the epoch-end save (every rank), then rerun. The killed
+    run starts from the uninterrupted run's last save before the epoch end (--restore-file; a
+    mid-epoch resume is exact, platform notes), not from update 1: it reaches the same
+    epoch-end save, best score and patience count, without training and validating the
+    updates before that save again; the rerun (the command without --restore-file) resumes
+    from its own save dir's epoch-end checkpoint, as before."""
+    save = validation.save_dir("fsdp2")
+    epoch_end = torch.load(save / "checkpoint1.pt", weights_only=True)
     end = epoch_end["optimizer_history"][-1]["num_updates"]
-    validation.run("killed", fault=f"forward:{end + 1}:all")
+    start = max(int(p.stem.split("_")[-1]) for p in save.glob("checkpoint_1_*.pt")
+                if int(p.stem.split("_")[-1]) < end)
+    validation.run("killed", "--restore-file", save / f"checkpoint_1_{start}.pt",
+                   fault=f"forward:{end + 1}:all")
     return end, validation.run("killed")
 
 

@@ -8,8 +8,10 @@ the last rank's a shorter mix of pretrained and new rows, every rank a batch; 4 
 reported tied weights under uneven sharding whose last rank's rows were never updated (pytorch
 #176076). Here one SGD update from the grown model at 3 and 4 ranks (each one shared run) is
 compared row by row with stock fairseq's legacy_ddp run from the same grown weights (grown
-offline by the same rule, written as a stock checkpoint): every row that receives a gradient
-changes, and equals the stock run's row within the float32 bound derived in ``row_tolerance``.
+offline by the same rule, written as a stock checkpoint; 1 rank x --update-freq 3: the same
+three batches as 3 ranks', summed over micro-batches instead of ranks, two processes fewer):
+every row that receives a gradient changes, and equals the stock run's row within the float32
+bound derived in ``row_tolerance``.
 A 2-rank run with lr 0 from the pretrained model's sharded checkpoint shows the rows as loaded:
 the pretrained ones bit for bit, the new ones by the stated rule.
 """
@@ -117,9 +119,10 @@ def grown(tmp_path_factory):
     state["model"].update({k: weight for k in FAIRSEQ_EMBEDDING})
     torch.save(state, root / "grown.pt")
 
-    runs = {"stock": start_ranks(3, lambda r: train_args(
+    # stock on 1 rank x 3 micro-batches: the global batch of 3 ranks (row_tolerance)
+    runs = {"stock": start_ranks(1, lambda r: train_args(
                 data, root / "stock", root / "grown.pt", *STOCK_DDP,
-                "--distributed-world-size", 3, "--distributed-rank", r)),
+                "--distributed-world-size", 1, "--distributed-rank", r, "--update-freq", 3)),
             "loaded": fsdp2(data, root / "loaded", sharded, 2, *INIT, lr=0),
             # LoRA adding the language: adapters and the new rows train (docs/lora.md)
             "lora": fsdp2(data, root / "lora", consolidated, 2, *INIT, "--lora-rank", 4,
@@ -209,16 +212,18 @@ def row_tolerance(terms: torch.Tensor, lookups: torch.Tensor, world: int,
                   stock_update: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     """The most two float32 runs of this one SGD update can differ by, element by element.
 
-    Both runs compute the same per-rank terms: the same weights (the FSDP2 load equals the
-    stock run's grown file, test above), the same batch on each rank (the batches do not depend
-    on the world size; ranks beyond the third get empty batches, which fairseq runs with their
-    loss times 0: exact zeros), the same kernels up to each rank's weight gradients. They differ
-    in how they sum them: per rank the output projection's product and each lookup's row (the
-    tied-gradient buffer adds them in another order than autograd), then across the ranks
-    (reduce-scatter against all-reduce), each term perhaps pre-scaled. A sum of m terms in any
-    order is within gamma(m) x sum|terms| of the exact sum (gamma(m) = m u / (1 - m u), u the
-    float32 unit roundoff); a pre-scaled term adds u |term|: counted as one more term. Here m
-    is at most 3 products + the row's lookups + one (zero) term per other rank, so each run is
+    Both runs compute the same per-batch terms: the same weights (the FSDP2 load equals the
+    stock run's grown file, test above), the same three batches (they do not depend on the
+    world size: one on each FSDP2 rank, ranks beyond the third getting empty batches, which
+    fairseq runs with their loss times 0: exact zeros; the stock run's three micro-batches on
+    its one rank), the same kernels up to each batch's weight gradients. They differ in how
+    they sum them: per batch the output projection's product and each lookup's row (the
+    tied-gradient buffer adds them in another order than autograd), then across the batches
+    (FSDP2's reduce-scatter over the ranks against stock's accumulation of the micro-batches'
+    gradients), each term perhaps pre-scaled. A sum of m terms in any order is within gamma(m)
+    x sum|terms| of the exact sum (gamma(m) = m u / (1 - m u), u the float32 unit roundoff); a
+    pre-scaled term adds u |term|: counted as one more term. Here m is at most 3 products + the
+    row's lookups + one (zero) term per other FSDP2 rank (none on stock's one rank), so each run is
     within gamma(m + 1) x A of the exact gradient (``terms``: A, from float64 values of the same
     terms; twice A covers their float32 values, which differ from them relatively by about the
     depth of the network times u). The scalings after the sum (averaging, 1/sample size) are at

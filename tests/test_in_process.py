@@ -199,15 +199,19 @@ def valid_losses_per_job(output: str) -> list[list[float]]:
     return jobs
 
 
+VALIDATIONS = 2  # one per update: best, mean and last told apart (below)
+
+
 def test_a_hydra_sweep_runs_every_job_and_returns_each_best_validation_loss(nllb_data,
                                                                          tmp_path):
-    """Each job validates, and saves, after each of its 3 updates. It returns its best loss
+    """Each job validates, and saves, after each of its 2 updates. It returns its best loss
     (checkpoint_best.pt's: the least, the largest with maximize_best_checkpoint_metric), not
-    fairseq's smoothed valid meter, which is their mean, nor the last. The 4 jobs run in one
-    process, the two that minimize one after the other: the first (lr 0.003) reaches a lower
-    loss than the second (lr 0.0003) ever does, so a best carried over into the second job
-    would be returned there."""
-    result, jobs = sweep(nllb_data, tmp_path, "optimization.max_update=3",
+    fairseq's smoothed valid meter, which is their mean, nor the last. Two validations tell
+    the three apart: their mean is neither (they differ), and the largest is the first (the
+    loss falls). The 4 jobs run in one process, the two that minimize one after the other:
+    the first (lr 0.003) reaches a lower loss than the second (lr 0.0003) ever does, so a best
+    carried over into the second job would be returned there."""
+    result, jobs = sweep(nllb_data, tmp_path, f"optimization.max_update={VALIDATIONS}",
                          "dataset.validate_interval_updates=1",
                          "checkpoint.save_interval_updates=1",
                          "checkpoint.maximize_best_checkpoint_metric=false,true",
@@ -216,7 +220,8 @@ def test_a_hydra_sweep_runs_every_job_and_returns_each_best_validation_loss(nllb
     assert [(j["num"], j["status"]) for j in jobs] == [(n, "COMPLETED") for n in range(4)]
     # the values fairseq's meter rounds to 3 decimals, as the log prints them
     losses = valid_losses_per_job(result.output)
-    assert [len(each) for each in losses] == [3] * 4, result.output[-4000:]
+    assert [len(each) for each in losses] == [VALIDATIONS] * 4, result.output[-4000:]
+    print(f"validation losses per job: {losses}")
     for j, each in zip(jobs, losses):
         best = max(each) if j["maximize"] else min(each)
         mean = sum(each) / len(each)

@@ -136,7 +136,8 @@ def test_fp16_resume_is_exact_loss_scale_included(corpus, tmp_path):
             "--save-interval-updates", 3]
     keys = ("loss", "gnorm", "loss_scale")
     full = per_update(ok(run_ranks(2, lambda r: train_args_for(
-        corpus, tmp_path / "run", *fp16, save=True, updates=6))), keys)
+        corpus, tmp_path / "run", *fp16, "--fsdp2-no-consolidate",  # no export: none is read
+        save=True, updates=6))), keys)
     assert sorted(full) == list(range(1, 7)) and len({v[2] for v in full.values()}) > 2, full
     resumed = per_update(ok(run_ranks(2, lambda r: train_args_for(
         corpus, tmp_path / "resumed", *fp16, "--restore-file", tmp_path / "run" /
@@ -206,7 +207,8 @@ def test_consolidated_export_equals_stock_ddp_and_stock_generate_reads_it(saved_
     # the saved run's command line with plain SGD: FSDP2 (whose export is tested) and fairseq's
     # own 2-rank DDP training of the same model on the same batches
     run, ddp_dir = tmp_path / "sgd", tmp_path / "ddp"
-    ok(run_ranks(2, lambda r: args(run, "--update-freq", 2, *SGD)))
+    # its saves before update 10's nobody reads: one save, at the end (what is exported)
+    ok(run_ranks(2, lambda r: args(run, "--update-freq", 2, *SGD, "--save-interval-updates", 10)))
     ddp = ok(run_ranks(2, lambda r: args(ddp_dir, "--update-freq", 2, *SGD,
                                          backend=[*stock_ddp(r, 2), *NO_WORKER],
                                          plugin=False)))
@@ -522,10 +524,18 @@ def test_meta_build_only_where_a_restart_has_weights_to_load(saved_run, tmp_path
     assert will_load(complete)  # checkpoint_1_10.pt and its shards are whole
 
 
-def test_save_point_without_a_file_to_write_does_not_hang(train_args):
+def test_save_point_without_a_file_to_write_does_not_hang(train_args, tmp_path):
     """At an epoch end with --no-epoch-checkpoints --no-last-checkpoints fairseq writes no
-    file; every rank must still agree on the (collective) shard write."""
+    file; every rank must still agree on the (collective) shard write. Trained on the
+    validation split (100 sentences: 3 batches of --max-tokens 500, 2 updates an epoch at 2
+    ranks), 3 updates: a save point at the end of epoch 1 and one at --max-update in epoch 2,
+    neither with a file to write. (On the training split's 20 updates an epoch, 14 updates
+    reached the second kind only.)"""
     out = ok(run_ranks(2, lambda r: train_args(*FSDP2, "--no-epoch-checkpoints",
-                                               "--no-last-checkpoints", save=True, updates=14),
+                                               "--no-last-checkpoints", "--train-subset",
+                                               "valid", save=True, updates=3),
                        timeout=120))
-    assert len(train_inner(out)) == 14
+    assert len(train_inner(out)) == 3
+    assert "end of epoch 1 (average epoch stats below)" in out and \
+        "begin training epoch 2" in out, out[-3000:]
+    assert not list((tmp_path / "ckpt").glob("*.pt"))  # no file at either save point

@@ -125,21 +125,31 @@ def test_killed_ranks_are_named_and_restarts_reproduce_the_uninterrupted_run(tra
     assert compared >= UPDATES, compared
 
 
+#: the hung-rank test's --heartbeat-timeout. Each rank applies it as its update 3 starts
+#: (tests/probes/fault_point.py); until rank 1 stops, in the forward of the last decoder layer,
+#: it bounds only how far apart the two ranks reach each collective of that stretch: the end of
+#: update 2 and part of a forward of the tiny model: milliseconds, tens on a slow CPU sharing
+#: its cores. 2 s is a hundred times that; 5 s waited 3 s longer for nothing (the survivor's
+#: heartbeat check then adds its own 3 s either way).
+HUNG_TIMEOUT_S = 2
+
+
 def test_a_hung_rank_is_named_after_the_heartbeat_timeout(train_args, tmp_path):
     """A rank that stops answering (SIGSTOP) without dying: the other gives up after
     --heartbeat-timeout and names it. The probe keeps torch's 30-minute collective timeout
-    until update 3 and applies the plugin's 5 s then (tests/probes/fault_point.py): a stall of
-    a loaded machine in updates 1-2 cannot end the run (a 7 s stall of rank 1 in update 1
-    ended it at update 1 before)."""
+    until update 3 and applies the plugin's HUNG_TIMEOUT_S then (tests/probes/fault_point.py):
+    a stall of a loaded machine in updates 1-2 cannot end the run (a 7 s stall of rank 1 in
+    update 1 ended it at update 1 before)."""
     env = {"PYTHONPATH": PROBES, "FAULT": "hang:3:1"}
-    args = train_args("--ddp-backend", "fsdp2", "--heartbeat-timeout", 5, "--num-workers", "0")
+    args = train_args("--ddp-backend", "fsdp2", "--heartbeat-timeout", HUNG_TIMEOUT_S,
+                      "--num-workers", "0")
     procs = start_ranks(2, lambda r: args, module="fault_point", env=env)
     try:
         survivor = finish_ranks(procs[:1], timeout=HANG_S)[0]
     finally:
         procs[1].kill()
     assert survivor.returncode == 1, survivor.output[-3000:]
-    assert "Timed out waiting 5000ms" in survivor.output
+    assert f"Timed out waiting {HUNG_TIMEOUT_S * 1000}ms" in survivor.output
     lines = [l for l in survivor.output.splitlines() if l.startswith("fairseq_fsdp2: error:")]
     assert len(lines) == 1 and "lost rank 1 (rank 0 noticed at update 3)" in lines[0], lines
 
@@ -151,22 +161,23 @@ TORCH_DEFAULT_WAIT_S = 30 * 60
 def test_a_rank_whose_peer_never_comes_gives_up_after_the_timeout(train_args):
     """Rank 1 of 2, and rank 0 never starts (died before the rendezvous): without
     --heartbeat-timeout torch waits 30 minutes; with it, the rank stops by itself (exit status
-    1: not killed) with one line, and torch's own message in it names the 5 s its store waited:
+    1: not killed) with one line, and torch's own message in it names the 1 s its store waited:
     that, not a clock, shows the timeout in effect (how long start-up takes depends on the CPU
     and its load: no test times it). A run still waiting after HANG_S, far below torch's
-    30 minutes, is killed and fails the exit-status check."""
+    30 minutes, is killed and fails the exit-status check. 1 s: the timeout covers nothing
+    that could succeed (no rank 0 ever listens), so its length is only the test's idle wait."""
     assert HANG_S < TORCH_DEFAULT_WAIT_S
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
            "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
-    timeout = 5
+    timeout = 1
     args = train_args("--ddp-backend", "fsdp2", "--heartbeat-timeout", timeout)
     (r,) = finish_ranks(start_ranks(1, lambda _: args, env=env, torchrun_env=False), HANG_S)
     assert r.returncode == 1, r.output[-3000:]  # stopped by itself, not killed
     lines = [l for l in r.output.splitlines() if l.startswith("fairseq_fsdp2: error:")]
     assert len(lines) == 1 and lines[0].startswith(
         "fairseq_fsdp2: error: rank 1 could not meet the other ranks at env:// within "
-        "--heartbeat-timeout 5 s (a rank died or never started)"), r.output[-3000:]
-    assert f"{timeout * 1000}ms" in lines[0], lines[0]  # torch's store waited those 5 s
+        f"--heartbeat-timeout {timeout} s (a rank died or never started)"), r.output[-3000:]
+    assert f"{timeout * 1000}ms" in lines[0], lines[0]  # torch's store waited that long
 
 
 @pytest.mark.slow

@@ -266,9 +266,11 @@ CATALOGUE = {
         (1, ["--finetune-from-model", "{absent}"], "--finetune-from-model not found: {absent}")],
     "Hugging Face weights (`--finetune-from-model DIR`) of another model or layer count, or a "
     "directory without them": [
-        (2, ["--finetune-from-model", "{hf_bart}"], "{hf_bart} is a Hugging Face 'bart' model "
+        # 1 rank: rank 0 finds these reading the weights and broadcasts the line to the others
+        # (checkpoint_hooks._load_pretrained), as for the narrow row below, which shows it on 2
+        (1, ["--finetune-from-model", "{hf_bart}"], "{hf_bart} is a Hugging Face 'bart' model "
          "(BartForConditionalGeneration), not NLLB (model_type 'm2m_100'"),
-        (2, ["--finetune-from-model", "{hf}", "--encoder-layers", "3"],
+        (1, ["--finetune-from-model", "{hf}", "--encoder-layers", "3"],
          "{hf} has 2 encoder and 2 decoder layers, the model (--arch transformer) 3 and 2"),
         (1, ["--finetune-from-model", "{no_model}"], "--finetune-from-model {no_model} is a "
          "directory without a Hugging Face model in it")],
@@ -306,13 +308,13 @@ CATALOGUE = {
     "`--finetune-from-model` of a model whose embedding has more rows than the dictionary "
     "has entries": [
         # 1 rank: every rank finds it in the shapes it loads (checkpoint_hooks._grows_embedding),
-        # as every rank finds the mid-epoch row's (2 ranks); the Hugging Face and narrow rows,
-        # found by rank 0 and broadcast, run on 2
+        # as every rank finds the mid-epoch row's (2 ranks)
         (1, ["--finetune-from-model", "{wider}"], "the dictionary has 88 entries, fewer than the "
          "91 rows of the embedding of {wider}: a dictionary for fine-tuning begins with the "
          "model's rows, in its order")],
     "a dictionary that puts the rows of a smaller `--finetune-from-model` model in another "
     "order": [
+        # 2 ranks: rank 0 finds it reading the weights, and rank 1 stops on its broadcast
         (2, ["--finetune-from-model", "{narrow}"], "dictionary entry 4 is '{first}', but row 4 "
          "of {narrow} is '{second}' (its dictionary {narrow_dict}): a dictionary for "
          "fine-tuning keeps the model's rows in their order")],

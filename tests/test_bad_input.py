@@ -38,11 +38,14 @@ def catalogue_rows() -> list[str]:
 
 @pytest.fixture(scope="module")
 def files(corpus, tmp_path_factory):
-    """Inputs the cases read: a real sharded checkpoint (1 rank, 2 updates) and broken files."""
+    """Inputs the cases read: a real sharded checkpoint (1 rank, 1 update) and broken files."""
     root = tmp_path_factory.mktemp("inputs")
     save = root / "saved"
+    # 1 update: 1 batch into the epoch, which 2 ranks do not divide (the mid-epoch row); no
+    # consolidated copy at the end: no row reads one (stock.pt and hf are consolidated below)
     results = run_ranks(1, lambda r: [corpus, "--user-dir", PLUGIN, *TINY_MODEL, *TRAINING,
-                                      *FSDP2, "--max-update", "2", "--save-dir", save])
+                                      *FSDP2, "--max-update", "1", "--save-dir", save,
+                                      "--fsdp2-no-consolidate"])
     assert results[0].returncode == 0, results[0].output[-3000:]
     good = save / "checkpoint_last.pt"
     lora_save = root / "lora"  # a LoRA checkpoint (1 update)
@@ -71,8 +74,9 @@ def files(corpus, tmp_path_factory):
     torch.save({"model": {}, "when": datetime.date(2026, 11, 30)}, stranger)
     plain_file = root / "plain-file"
     plain_file.write_text("")
+    stock_file = consolidate(str(good), str(root / "stock.pt"))  # the good checkpoint, stock
     hf = root / "hf"  # the good checkpoint in the Hugging Face format, and one of another kind
-    consolidate(str(good), str(hf), out_format="hf")
+    consolidate(stock_file, str(hf), out_format="hf")  # from stock.pt: its shards read once
     bart = root / "hf-bart"
     shutil.copytree(hf, bart)
     config = json.loads((bart / "config.json").read_text())
@@ -81,7 +85,7 @@ def files(corpus, tmp_path_factory):
     (root / "no-model").mkdir()
     # the good checkpoint as a stock file with 3 embedding rows more than the data's dictionary
     # has entries, and with 3 fewer, beside a dictionary.txt of its own in another order
-    stock = torch.load(consolidate(str(good), str(root / "stock.pt")), weights_only=True)
+    stock = torch.load(stock_file, weights_only=True)
     weight = stock["model"]["encoder.embed_tokens.weight"]
     wider, narrow = root / "wider.pt", root / "narrow" / "checkpoint.pt"
     for path, rows in ((wider, torch.cat([weight, weight[:3]])), (narrow, weight[:-3])):
@@ -258,12 +262,15 @@ CATALOGUE = {
          "fairseq_fsdp2.train")],
     "`--restore-file` or `--finetune-from-model` that does not exist": [
         (1, ["--restore-file", "{absent}"], "--restore-file not found: {absent}"),
-        (2, ["--finetune-from-model", "{absent}"], "--finetune-from-model not found: {absent}")],
+        # 1 rank: preflight, as the 2-rank rows of the degrees above show on every rank
+        (1, ["--finetune-from-model", "{absent}"], "--finetune-from-model not found: {absent}")],
     "Hugging Face weights (`--finetune-from-model DIR`) of another model or layer count, or a "
     "directory without them": [
-        (2, ["--finetune-from-model", "{hf_bart}"], "{hf_bart} is a Hugging Face 'bart' model "
+        # 1 rank: rank 0 finds these reading the weights and broadcasts the line to the others
+        # (checkpoint_hooks._load_pretrained), as for the narrow row below, which shows it on 2
+        (1, ["--finetune-from-model", "{hf_bart}"], "{hf_bart} is a Hugging Face 'bart' model "
          "(BartForConditionalGeneration), not NLLB (model_type 'm2m_100'"),
-        (2, ["--finetune-from-model", "{hf}", "--encoder-layers", "3"],
+        (1, ["--finetune-from-model", "{hf}", "--encoder-layers", "3"],
          "{hf} has 2 encoder and 2 decoder layers, the model (--arch transformer) 3 and 2"),
         (1, ["--finetune-from-model", "{no_model}"], "--finetune-from-model {no_model} is a "
          "directory without a Hugging Face model in it")],
@@ -285,10 +292,10 @@ CATALOGUE = {
         (1, ["--restore-file", "{missing_shard}"], "shard file missing: {shard_dir}/__0_0.distcp"),
         (1, ["--restore-file", "{short_shard}"], "shard file truncated: {short_shard_file} (")],
     "resuming mid-epoch on a number of ranks that does not divide the batches done": [
-        # the checkpoint: 1 rank, 2 updates, 2 batches into the epoch
-        (3, ["--restore-file", "{good}"], "cannot resume mid-epoch at 3 ranks: the checkpoint "
-                                          "(saved at 1 ranks) is 2 batches into the epoch, not "
-                                          "a multiple of 3")],
+        # the checkpoint: 1 rank, 1 update, 1 batch into the epoch
+        (2, ["--restore-file", "{good}"], "cannot resume mid-epoch at 2 ranks: the checkpoint "
+                                          "(saved at 1 ranks) is 1 batches into the epoch, not "
+                                          "a multiple of 2")],
     "an FSDP2 checkpoint resumed by another backend (`--ddp-backend legacy_ddp`, ...) with its "
     "optimizer state": [
         (1, ["--restore-file", "{good}", "--ddp-backend", "legacy_ddp"],
@@ -300,11 +307,14 @@ CATALOGUE = {
          "model (48,)")],
     "`--finetune-from-model` of a model whose embedding has more rows than the dictionary "
     "has entries": [
-        (2, ["--finetune-from-model", "{wider}"], "the dictionary has 88 entries, fewer than the "
+        # 1 rank: every rank finds it in the shapes it loads (checkpoint_hooks._grows_embedding),
+        # as every rank finds the mid-epoch row's (2 ranks)
+        (1, ["--finetune-from-model", "{wider}"], "the dictionary has 88 entries, fewer than the "
          "91 rows of the embedding of {wider}: a dictionary for fine-tuning begins with the "
          "model's rows, in its order")],
     "a dictionary that puts the rows of a smaller `--finetune-from-model` model in another "
     "order": [
+        # 2 ranks: rank 0 finds it reading the weights, and rank 1 stops on its broadcast
         (2, ["--finetune-from-model", "{narrow}"], "dictionary entry 4 is '{first}', but row 4 "
          "of {narrow} is '{second}' (its dictionary {narrow_dict}): a dictionary for "
          "fine-tuning keeps the model's rows in their order")],

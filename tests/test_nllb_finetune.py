@@ -81,7 +81,7 @@ def test_help_lists_every_argument():
         assert word in proc.stdout
 
 
-def test_bad_input_one_line_and_nothing_launched(data, tmp_path):
+def test_bad_input_one_line_and_nothing_launched(data, tmp_path, capsys, monkeypatch):
     empty = tmp_path / "empty"
     empty.mkdir()
     cases = [
@@ -101,13 +101,28 @@ def test_bad_input_one_line_and_nothing_launched(data, tmp_path):
         (["--data", data, "--bogus"], "unknown argument '--bogus'"),
         (["--data", data, "--pretrained", tmp_path / "none.pt", "--dry-run"], "does not exist"),
     ]
-    for args, message in cases:
-        proc = run_script(*args, timeout=30)
-        lines = proc.stderr.splitlines()
-        assert proc.returncode != 0, args
+    # The first and the last through the script (a fresh interpreter each: its exit status,
+    # stderr and stdout); the rest through the recipe's main in this process, as the script
+    # runs it (exec python recipes/finetune_nllb.py "$@"; sys.exit(main())), where launching
+    # anything (setup.sh, the estimator, nvidia-smi: subprocess.run; torchrun: os.execv) fails
+    def launched(*args, **kwargs):
+        raise AssertionError(f"launched {args}")
+
+    for k, (args, message) in enumerate(cases):
+        if k in (0, len(cases) - 1):
+            proc = run_script(*args, timeout=30)
+            code, out, err = proc.returncode, proc.stdout, proc.stderr
+        else:
+            with monkeypatch.context() as m:
+                m.setattr(nllb_recipe.subprocess, "run", launched)
+                m.setattr(nllb_recipe.os, "execv", launched)
+                code = nllb_recipe.main([str(a) for a in args])
+            out, err = capsys.readouterr()
+        lines = err.splitlines()
+        assert code != 0, args
         assert len(lines) == 1 and lines[0].startswith("finetune_nllb: error: "), (args, lines)
         assert message in lines[0], (args, lines[0])
-        assert proc.stdout == "", args
+        assert out == "", args
 
 
 # --- (b) a real 2-rank fine-tune through the script ----------------------------------------------

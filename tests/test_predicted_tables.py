@@ -8,7 +8,6 @@ Measured tables (docs/benchmarks.md): each section names its command and date, a
 of a benchmark script is still one its argument parser accepts (nothing is run or timed)."""
 from __future__ import annotations
 
-import functools
 import importlib.util
 import re
 import shlex
@@ -38,12 +37,9 @@ SETUP_ONLY = {"world_size", "fit_gb", "cpu_baseline_gb", "fp16_adam_stats", "bf1
 
 @pytest.fixture(scope="module")
 def models():
-    """The meta models of this module's estimates, each built once, as one run of
-    scripts/predicted_tables.py builds them (from_args.ModelCache); dropped after the module."""
-    cache = from_args.ModelCache()
-    yield cache
-    cache.models.clear()
-    cache.dictionaries.clear()
+    """The meta models and profiles of this module's estimates, each made once, as one run of
+    scripts/predicted_tables.py makes them (from_args.ModelCache); dropped after the module."""
+    return from_args.ModelCache()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -134,11 +130,10 @@ def test_recorded_benchmark_commands_still_parse():
 
 # -- figures in prose (docs/memory.md, "NLLB-3.3B on two 24 GB GPUs without --cpu-offload") ----
 
-@functools.cache
 def nllb_3_3b(models, *flags: str, max_tokens: int = 4096):
     """The estimate for NLLB-3.3B with the recipe's settings, ``flags`` and ``max_tokens`` per
-    GPU, at 2 GPUs (the prose's setting): its one class of ranks (each made once, for both
-    pages' prose)."""
+    GPU, at 2 GPUs (the prose's setting): its one class of ranks (its profile made once, in
+    ``models``, for both pages' prose)."""
     argv = [str(max_tokens) if before == "--max-tokens" else arg
             for before, arg in zip(("",) + NLLB_GPU, NLLB_GPU)]
     (estimate,) = cli.estimate_args([*argv, "--arch", "transformer_nllb_3_3b", *RECIPE, *flags,

@@ -8,7 +8,6 @@ estimator prints today (a figure that went stale, a command that changed).
 """
 from __future__ import annotations
 
-import functools
 import re
 import shlex
 from dataclasses import dataclass
@@ -164,7 +163,6 @@ TABLES = (
 )
 
 
-@functools.cache  # the estimator is deterministic: a row's figures once per process
 def predicted_gib(table: Table, row: Row,
                   models: Optional[ModelCache] = None) -> tuple[float, ...]:
     """The estimator's per-GPU peak (largest rank class, GiB) at each world size (``models``:
@@ -173,7 +171,6 @@ def predicted_gib(table: Table, row: Row,
                  for est in estimates(parse(table.command(row)), models))
 
 
-@functools.cache
 def fitted(table: Table, row: Row, budget: float, claimed: tuple = (),
            models: Optional[ModelCache] = None) -> tuple[str, ...]:
     """Each world size's largest --max-tokens that fits ``budget`` GiB, with its predicted

@@ -166,11 +166,19 @@ def shapes(model) -> dict:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
+@pytest.fixture(scope="module")
+def nllb_tiny(hub):
+    """task_and_model's config and task for the hub's data: one config conversion (hydra's,
+    ~0.2 CPU-s) for the module's tests that read them; each builds its own untrained model
+    from them (``task.build_model``, milliseconds)."""
+    cfg, task, _ = task_and_model(hub.data)
+    return cfg, task
+
 
 # --- the dictionary ---------------------------------------------------------------------------
 
-def test_every_dictionary_entry_is_on_the_hf_tokenizer_row(hub):
-    cfg, task, _ = task_and_model(hub.data)
+def test_every_dictionary_entry_is_on_the_hf_tokenizer_row(hub, nllb_tiny):
+    _, task = nllb_tiny
     d = task.source_dictionary
     vocab = hub.result["vocab"]
     assert len(d) == hub.result["vocab_size"] == len(vocab) + 2  # NLLB's two spare rows
@@ -185,8 +193,9 @@ def test_every_dictionary_entry_is_on_the_hf_tokenizer_row(hub):
         assert ours + [d.eos()] == ids and d.unk() not in ours
 
 
-def test_a_misplaced_dictionary_entry_stops_with_one_line(hub, tmp_path):
-    cfg, task, model = task_and_model(hub.data)
+def test_a_misplaced_dictionary_entry_stops_with_one_line(hub, nllb_tiny, tmp_path):
+    cfg, task = nllb_tiny
+    model = task.build_model(cfg.model)
     symbols = list(task.source_dictionary.symbols)
     rows = len(symbols)
     lang = symbols.index("__eng_Latn__")
@@ -228,8 +237,9 @@ def test_prepare_data_hf_model_refuses_other_vocabularies(hub, tmp_path):
 
 # --- import -----------------------------------------------------------------------------------
 
-def test_hub_weights_give_the_hf_logits_in_fairseq(hub):
-    cfg, task, model = task_and_model(hub.data)
+def test_hub_weights_give_the_hf_logits_in_fairseq(hub, nllb_tiny):
+    cfg, task = nllb_tiny
+    model = task.build_model(cfg.model).eval()
     weights = hf_nllb.open_checked(str(hub.dir), cfg.model, shapes(model),
                                    task.source_dictionary.symbols)
     model.load_state_dict(dict(weights), strict=True)
@@ -256,8 +266,9 @@ def test_sharded_safetensors_read_the_same(hub, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_other_architectures_and_files_stop_with_one_line(hub, tmp_path):
-    cfg, task, model = task_and_model(hub.data)
+def test_other_architectures_and_files_stop_with_one_line(hub, nllb_tiny, tmp_path):
+    cfg, task = nllb_tiny
+    model = task.build_model(cfg.model)
     symbols = task.source_dictionary.symbols
     bart, truncated = tmp_path / "bart", tmp_path / "truncated"
     for d in (bart, truncated):

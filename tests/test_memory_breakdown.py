@@ -48,7 +48,8 @@ def train_args(data: Path, save_dir: Path, *extra: str, updates: int) -> list[st
             "--criterion", "label_smoothed_cross_entropy_chunked", "--loss-chunk-tokens", "16",
             "--label-smoothing", "0.1", "--max-tokens", str(MAX_TOKENS),
             "--max-update", str(updates), "--log-format", "json", "--log-interval", "1",
-            "--seed", "1", "--cpu", "--no-progress-bar", "--disable-validation", "--save-dir", str(save_dir),
+            "--seed", "1", "--cpu", "--no-progress-bar", "--disable-validation",
+            "--save-dir", str(save_dir),
             "--no-epoch-checkpoints", "--no-last-checkpoints", "--fsdp2-no-consolidate",
             "--ddp-backend", "fsdp2", "--min-params-to-wrap", "1",
             "--fsdp2-memory-breakdown", str(UPDATE), *extra]

@@ -226,20 +226,31 @@ def test_stock_ema_faults_the_sharded_ema_does_not_share(ours, stock):
     assert ours[UPDATES][1]["encoder.version"].item() == 3
 
 
-def test_ema_resumes_exactly_after_a_kill(ema, ours):
-    """Killed (every rank) in update 4, rerun: resumed from update 3's save, every update and
-    the EMA of every later save equal the uninterrupted run's, bit for bit. The EMA steps at
-    update 4 because the --ema-update-freq count (1 at update 3) was saved with it; stock
-    fairseq keeps it in memory only, so its resumed run would step at update 5. The killed run
-    starts from the uninterrupted run's save of update 2 (--restore-file, the same world size:
-    resumed exactly, as the rerun is), so it makes update 3 and its save only, not updates 1-3;
-    the rerun (the command without --restore-file) resumes from that save."""
+@pytest.fixture(scope="module")
+def resumed(ema):
+    """Killed (every rank) in update 4, rerun: the rerun's output and its saves of updates 4-6
+    (weights, EMA). The killed run starts from the uninterrupted run's save of update 2
+    (--restore-file, the same world size: resumed exactly, as the rerun is), so it makes update
+    3 and its save only, not updates 1-3; the rerun (the command without --restore-file)
+    resumes from that save. The rerun writes its saves in the background
+    (--write-checkpoints-asynchronously: test_asynchronous_saves_hold_the_same_ema), which
+    changes how a save is written, not what is resumed from or trained; the killed run's save
+    stays synchronous (a kill during a background write leaves no save of update 3)."""
     ema.run("killed", "--restore-file", ema.save_dir("fsdp2") / "checkpoint_1_2.pt",
             fault="forward:4:all")
-    out = ema.run("killed")
+    out = ema.run("killed", "--write-checkpoints-asynchronously")
+    return out, {n: saved(ema.save_dir("killed") / f"checkpoint_1_{n}.pt") for n in (4, 5, 6)}
+
+
+def test_ema_resumes_exactly_after_a_kill(ema, ours, resumed):
+    """Killed (every rank) in update 4, rerun (``resumed``): resumed from update 3's save,
+    every update and the EMA of every later save equal the uninterrupted run's, bit for bit.
+    The EMA steps at update 4 because the --ema-update-freq count (1 at update 3) was saved
+    with it; stock fairseq keeps it in memory only, so its resumed run would step at update
+    5."""
+    out, again = resumed
     assert resumed_at(out) == 3
     assert_resumed_exactly(updates(out), updates(ema.fsdp2), 4)
-    again = {n: saved(ema.save_dir("killed") / f"checkpoint_1_{n}.pt") for n in (4, 5, 6)}
     for n in (4, 5, 6):
         assert all(torch.equal(again[n][1][k], ours[n][1][k]) for k in ours[n][1]), n
     assert not all(torch.equal(ours[4][1][k], ours[3][1][k]) for k in ours[3][1])
@@ -261,18 +272,20 @@ def test_ema_resharded_on_one_rank(ema, ours):
         assert all(torch.equal(resumed[k], ours[4][1][k]) for k in resumed)
 
 
-def test_asynchronous_saves_hold_the_same_ema(ema, ours):
+def test_asynchronous_saves_hold_the_same_ema(ours, resumed):
     """--write-checkpoints-asynchronously writes the EMA's shards in the background with the
     model's (staged before the next optimizer step, which fairseq's EMA update follows): every
-    save holds the synchronous run's weights and EMA, bit for bit. 4 updates, two fewer than
-    the scenario: saves after updates where the EMA is a copy (1), steps with decay 0 (2),
-    does not step (3) and steps with the decay (4) cover each case of fairseq's schedule."""
-    last = 4
-    assert fairseq_schedule(updates=last) == {2: 0, 4: DECAY}
-    out = ema.run("async", "--write-checkpoints-asynchronously", "--max-update", last)
-    assert sorted(updates(out)) == list(range(1, last + 1)) and "in the background" in out
-    background = saves(ema.save_dir("async"), last)
-    for n in range(1, last + 1):
+    save holds the synchronous run's weights and EMA, bit for bit. The resumed run's saves
+    (``resumed``: updates 4-6, as the uninterrupted run makes them) cover each case where a
+    save could take later values: after update 4 the next update changes the weights only (the
+    EMA does not step at 5), after update 5 the EMA steps with the decay at 6, and the run's end
+    waits for the save of update 6. (Saves where the EMA is a copy of the weights, updates 1-2,
+    would not tell the EMA from the weights.)"""
+    out, background = resumed
+    steps = fairseq_schedule()
+    assert [n in steps for n in (4, 5, 6)] == [True, False, True] and steps[6] == DECAY
+    assert sorted(updates(out)) == [4, 5, 6] and "in the background" in out
+    for n in (4, 5, 6):
         for got, want in zip(background[n], ours[n]):
             assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), n
 

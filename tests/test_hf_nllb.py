@@ -25,12 +25,12 @@ from __future__ import annotations
 import filecmp
 import json
 import math
+import os
 import re
-import select
 import shlex
 import shutil
 import subprocess
-import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -38,7 +38,8 @@ import pytest
 import torch
 
 from conftest import FIXTURE_DEPS, PLUGIN, TESTS, need_fixture_dep
-from launcher import base_env, finish_ranks, ok, start_command, start_ranks, train_inner
+from launcher import (base_env, finish_ranks, fork_server, ok, start_command, start_ranks,
+                      train_inner)
 from hf_compare import (as_float64, assert_logits_close, assert_same_greedy_choices, greedy,
                         greedy_gaps, hypothesis)
 
@@ -59,36 +60,64 @@ MAX_LEN = 12  # fairseq-generate --max-len-b: tokens before the forced end of se
 
 class Reference:
     """tests/hf_reference.py's ``serve``: the transformers side in its own process, one per
-    test module (its torch and transformers imports, seconds, paid once for the module's
-    ``make`` and ``check``). ``ask`` sends a request; ``answer`` waits for it to be done."""
+    test module (its transformers import, seconds, paid once for the module's ``make`` and
+    ``check``), forked from the tests' server as the PEFT reference is (test_lora.py):
+    torch and torch.distributed are imported there already, which a fresh interpreter paid
+    again (measured with AVX2 imitated: 4.3 CPU-s to import torch and transformers afresh,
+    1.3 for transformers in a forked child). transformers and its dependencies are still
+    on this process's path only. ``ask`` writes a request to its stdin, a named pipe;
+    ``answer`` waits for its answer line in its output (stdout and stderr together:
+    ``output.log`` beside the pipe)."""
 
-    def __init__(self, log: Path):
-        self.log = log
-        with open(log, "w") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(TESTS / "hf_reference.py"), "serve"],
-                env=base_env({"PYTHONPATH": str(FIXTURE_DEPS)}), stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=err, text=True)
+    def __init__(self, root: Path):
+        self.log, requests = root / "output.log", root / "requests"
+        os.mkfifo(requests)
+        # read and write: opens at once, and the process's own read end too; closed: its EOF
+        self._requests = os.open(requests, os.O_RDWR)
+        self.proc = fork_server().start(
+            "hf_reference", ["serve"],
+            base_env({"PYTHONPATH": os.pathsep.join(map(str, (FIXTURE_DEPS, TESTS)))}),
+            str(self.log), str(requests))
+        self._read = 0  # bytes of the output before the answer awaited
 
     def ask(self, *args) -> None:
-        self.proc.stdin.write(json.dumps([str(a) for a in args]) + "\n")
-        self.proc.stdin.flush()
+        os.write(self._requests, (json.dumps([str(a) for a in args]) + "\n").encode())
 
     def answer(self, timeout: float = 300) -> None:
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else f"no answer in {timeout} s"
-        assert line.strip() == "ok", f"{line.strip()}\n{self.log.read_text()[-4000:]}"
+        """The request's ``ok``; a traceback (serve prints the request's exception, then its
+        answer), the process's end or ``timeout`` fail with the output's end."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with open(self.log, "rb") as f:
+                f.seek(self._read)
+                new = f.read()
+            lines = new.split(b"\n")[:-1]  # whole lines (a progress bar's \r parts on one)
+            for n, line in enumerate(lines):
+                if line.rsplit(b"\r", 1)[-1].strip() == b"ok":
+                    self._read += sum(len(x) + 1 for x in lines[:n + 1])
+                    return
+            if b"Traceback (most recent call last):" in new or self.proc.poll() is not None \
+                    or time.monotonic() > deadline:
+                time.sleep(1)  # the rest of the traceback and the answer line
+                raise AssertionError(f"no answer (exit status {self.proc.poll()}):\n"
+                                     f"{self.log.read_text(errors='replace')[-4000:]}")
+            time.sleep(0.05)
 
     def close(self) -> None:
-        self.proc.stdin.close()
-        if self.proc.wait(60) != 0:
-            raise AssertionError(self.log.read_text()[-4000:])
+        os.close(self._requests)  # the end of its stdin: serve returns
+        try:
+            code = self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        if code != 0:
+            raise AssertionError(self.log.read_text(errors="replace")[-4000:])
 
 
 @pytest.fixture(scope="module")
 def hf_side(tmp_path_factory):
     need_fixture_dep("transformers", "for the reference side")
-    reference = Reference(tmp_path_factory.mktemp("hf_side") / "stderr.log")
+    reference = Reference(tmp_path_factory.mktemp("hf_side"))
     yield reference
     reference.close()
 
@@ -137,11 +166,19 @@ def shapes(model) -> dict:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
+@pytest.fixture(scope="module")
+def nllb_tiny(hub):
+    """task_and_model's config and task for the hub's data: one config conversion (hydra's,
+    ~0.2 CPU-s) for the module's tests that read them; each builds its own untrained model
+    from them (``task.build_model``, milliseconds)."""
+    cfg, task, _ = task_and_model(hub.data)
+    return cfg, task
+
 
 # --- the dictionary ---------------------------------------------------------------------------
 
-def test_every_dictionary_entry_is_on_the_hf_tokenizer_row(hub):
-    cfg, task, _ = task_and_model(hub.data)
+def test_every_dictionary_entry_is_on_the_hf_tokenizer_row(hub, nllb_tiny):
+    _, task = nllb_tiny
     d = task.source_dictionary
     vocab = hub.result["vocab"]
     assert len(d) == hub.result["vocab_size"] == len(vocab) + 2  # NLLB's two spare rows
@@ -156,8 +193,9 @@ def test_every_dictionary_entry_is_on_the_hf_tokenizer_row(hub):
         assert ours + [d.eos()] == ids and d.unk() not in ours
 
 
-def test_a_misplaced_dictionary_entry_stops_with_one_line(hub, tmp_path):
-    cfg, task, model = task_and_model(hub.data)
+def test_a_misplaced_dictionary_entry_stops_with_one_line(hub, nllb_tiny, tmp_path):
+    cfg, task = nllb_tiny
+    model = task.build_model(cfg.model)
     symbols = list(task.source_dictionary.symbols)
     rows = len(symbols)
     lang = symbols.index("__eng_Latn__")
@@ -199,8 +237,9 @@ def test_prepare_data_hf_model_refuses_other_vocabularies(hub, tmp_path):
 
 # --- import -----------------------------------------------------------------------------------
 
-def test_hub_weights_give_the_hf_logits_in_fairseq(hub):
-    cfg, task, model = task_and_model(hub.data)
+def test_hub_weights_give_the_hf_logits_in_fairseq(hub, nllb_tiny):
+    cfg, task = nllb_tiny
+    model = task.build_model(cfg.model).eval()
     weights = hf_nllb.open_checked(str(hub.dir), cfg.model, shapes(model),
                                    task.source_dictionary.symbols)
     model.load_state_dict(dict(weights), strict=True)
@@ -227,8 +266,9 @@ def test_sharded_safetensors_read_the_same(hub, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_other_architectures_and_files_stop_with_one_line(hub, tmp_path):
-    cfg, task, model = task_and_model(hub.data)
+def test_other_architectures_and_files_stop_with_one_line(hub, nllb_tiny, tmp_path):
+    cfg, task = nllb_tiny
+    model = task.build_model(cfg.model)
     symbols = task.source_dictionary.symbols
     bart, truncated = tmp_path / "bart", tmp_path / "truncated"
     for d in (bart, truncated):

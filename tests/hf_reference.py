@@ -19,8 +19,9 @@ test-only transformers on its path (never in the pytest process or the fairseq r
     python hf_reference.py serve
         both, one request a line on stdin (``make SPM_MODEL OUT_DIR REQUEST.json RESULT.json``
         or ``check MODEL_DIR REQUEST.json RESULT.json``, JSON lists), one answer a line on
-        stdout (``ok`` or the error): one process, whose imports (torch, transformers: seconds)
-        a test module pays once for its ``make`` and its ``check``.
+        stdout (``ok`` or the error): one process, whose transformers import (seconds) a test
+        module pays once for its ``make`` and its ``check``; the tests fork it from their
+        server (tests/forkserver.py), where torch is imported already.
 """
 import copy
 import json

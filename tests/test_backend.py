@@ -11,9 +11,14 @@ from launcher import (FORKED_WORKER, free_port, ok, run_command, run_ranks, said
 from numerics import (FP16_MOMENT, FP32_REORDERED, U16, U32, U_BF16, assert_runs_close,
                       assert_within_noise, moment_rounding_step_error, per_update,
                       printed_close, printed_half_unit)
-from scenarios import shard_tensors
+from scenarios import NO_WORKER, shard_tensors
 
-FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1"]
+#: NO_WORKER: the batches read in the rank's process, in the order fairseq's default worker gives
+#: them (every FSDP2 run here alike; the stock runs keep fairseq's default): no data-loader process
+#: per rank, and no wait for one at the end (a saved fine-tune's export in rank 0 waited up to
+#: torch's 5 s MP_STATUS_CHECK_INTERVAL for the worker of a data loader collected during it:
+#: tests/test_adam_stats_8bit.py)
+FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", *NO_WORKER]
 
 
 def series(output, key):

@@ -467,7 +467,9 @@ def fsdp2_train_args(data: Path, save_dir: Path, *extra: str) -> list[str]:
         "--max-update", "2", "--log-format", "json", "--log-interval", "1", "--seed", "1",
         "--cpu", "--no-progress-bar", "--no-save", "--disable-validation",
         "--ddp-backend", "fsdp2", "--min-params-to-wrap", "1",
-        "--label-smoothing", "0.1", "--report-accuracy", *extra]
+        # the batches read in the rank's process (fairseq's default worker's order, every run
+        # alike): no data-loader process per rank
+        "--num-workers", "0", "--label-smoothing", "0.1", "--report-accuracy", *extra]
 
 
 def all_gathers(output: str) -> dict[str, int]:

@@ -167,6 +167,13 @@ def shard_tensors(checkpoint_file: Path, out: Path) -> dict:
     return flat
 
 
+def is_adam_moment(key: str) -> bool:
+    """Whether a sharded checkpoint's key (DCP's flat name, as shard_tensors and the shards'
+    metadata give it) is one of Adam's two moments, in whatever format it was saved (its
+    scales and fairseq's other optimizer state excluded)."""
+    return key.startswith("optim.state.") and key.endswith((".exp_avg", ".exp_avg_sq"))
+
+
 def resumed_at(output: str) -> int:
     found = re.search(r"Loaded checkpoint .* \(epoch \d+ @ (\d+) updates\)", output)
     return int(found.group(1)) if found else 0

@@ -42,7 +42,7 @@ from launcher import ok, run_command, run_ranks
 from moment_bounds import (assert_8_bit_second_moment_decays, assert_8_bit_steps_within_bound,
                            gap_of)
 from numerics import U32, assert_within_noise, per_update
-from scenarios import NO_WORKER, shard_tensors
+from scenarios import NO_WORKER, is_adam_moment, shard_tensors
 
 from fairseq_fsdp2.optimizer.moments.blockwise_8bit import (BLOCK, dequantize, dynamic_map,
                                                             quantize)
@@ -268,10 +268,10 @@ def test_eight_bit_adam_stats_are_saved_in_8_bits_and_resume_exactly(trained, co
     shards = torch.load(checkpoint, weights_only=True)["fsdp2"]["shards"]
     assert shards.startswith(SHARDS_DIR)
     saved = dcp.FileSystemReader(str(save_dir / shards)).read_metadata().state_dict_metadata
-    codes = {k: v for k, v in saved.items() if k.startswith("optim.state.") and
-             k.endswith((".exp_avg", ".exp_avg_sq")) and v.properties.dtype == torch.uint8}
-    wide = [k for k, v in saved.items() if k.startswith("optim.state.") and
-            k.endswith((".exp_avg", ".exp_avg_sq")) and v.properties.dtype == torch.float32]
+    codes = {k: v for k, v in saved.items()
+             if is_adam_moment(k) and v.properties.dtype == torch.uint8}
+    wide = [k for k, v in saved.items()
+            if is_adam_moment(k) and v.properties.dtype == torch.float32]
     assert codes and wide and all(".bias." in k or "layer_norm" in k for k in wide), wide
     for key, meta in codes.items():
         absmax = saved[key + "_absmax"]

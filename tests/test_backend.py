@@ -11,7 +11,7 @@ from launcher import (FORKED_WORKER, free_port, ok, run_command, run_ranks, said
 from numerics import (FP16_MOMENT, FP32_REORDERED, U16, U32, U_BF16, assert_runs_close,
                       assert_within_noise, moment_rounding_step_error, per_update,
                       printed_close, printed_half_unit)
-from scenarios import NO_WORKER, shard_tensors
+from scenarios import NO_WORKER, is_adam_moment, shard_tensors
 
 #: NO_WORKER: the batches read in the rank's process, in the order fairseq's default worker gives
 #: them (every FSDP2 run here alike; the stock runs keep fairseq's default): no data-loader process
@@ -553,7 +553,7 @@ def test_bf16_adam_stats_train_within_bf16_rounding_of_float32_moments(runs, tmp
 def saved_moments(save_dir, scratch) -> dict:
     """Adam's moments (name -> tensor, whole) in a run's last checkpoint."""
     return {k: v for k, v in shard_tensors(save_dir / "checkpoint_last.pt", scratch).items()
-            if k.startswith("optim.state.") and k.endswith((".exp_avg", ".exp_avg_sq"))}
+            if is_adam_moment(k)}
 
 
 def test_fp16_adam_stats_are_saved_in_fp16_and_resume_exactly(runs, corpus, tmp_path):
@@ -569,8 +569,7 @@ def test_fp16_adam_stats_are_saved_in_fp16_and_resume_exactly(runs, corpus, tmp_
     shards = torch.load(checkpoint, weights_only=True)["fsdp2"]["shards"]
     assert shards.startswith(SHARDS_DIR)
     saved = dcp.FileSystemReader(str(save_dir / shards)).read_metadata().state_dict_metadata
-    moments = {k: v.properties.dtype for k, v in saved.items()
-               if k.startswith("optim.state.") and k.endswith((".exp_avg", ".exp_avg_sq"))}
+    moments = {k: v.properties.dtype for k, v in saved.items() if is_adam_moment(k)}
     scales = [k for k in saved if k.endswith((".exp_avg_scale", ".exp_avg_sq_scale"))]
     assert moments and set(moments.values()) == {torch.float16} and \
         len(scales) == len(moments), (moments, scales)

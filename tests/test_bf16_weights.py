@@ -21,7 +21,7 @@ from fairseq_fsdp2.hf.nllb_weights import FAIRSEQ_VERSIONS, HFWeights
 from launcher import ok, run_command, run_ranks
 from moment_bounds import assert_bf16_weight_update_law
 from numerics import NOISE_FACTOR, NOISE_REACH, assert_within_noise, per_update, spread
-from scenarios import NO_WORKER, shard_tensors
+from scenarios import NO_WORKER, is_adam_moment, shard_tensors
 
 
 @pytest.mark.parametrize("stats", ["fp32", "bf16", "8bit"])
@@ -153,8 +153,7 @@ def test_bf16_weights_are_saved_in_bf16_and_resume_exactly(fine_tuned, corpus, t
     saved = dcp.FileSystemReader(str(save_dir / shards)).read_metadata().state_dict_metadata
     weights = {k: v.properties.dtype for k, v in saved.items() if k.startswith("model.")}
     assert weights and set(weights.values()) == {torch.bfloat16}, weights
-    moments = {v.properties.dtype for k, v in saved.items()
-               if k.startswith("optim.state.") and k.endswith((".exp_avg", ".exp_avg_sq"))}
+    moments = {v.properties.dtype for k, v in saved.items() if is_adam_moment(k)}
     assert moments == {torch.float32}  # the run's format (fp32), not the weights' dtype
     resumed_dir = tmp_path / "resumed"
     resumed = per_update(ok(run_ranks(2, lambda r: train_args_for(

@@ -12,6 +12,7 @@ unit of the 6th significant digit. ``printed_close`` takes that half unit from t
 """
 from __future__ import annotations
 
+import json
 import math
 
 from launcher import train_inner
@@ -81,6 +82,13 @@ def printed_close(a, b, rel: float, key: str) -> bool:
 def per_update(output: str, keys=("loss", "gnorm")) -> dict[int, tuple[str, ...]]:
     """update number -> the printed values of keys (fairseq's train_inner records)."""
     return {int(r["num_updates"]): tuple(r[k] for k in keys) for r in train_inner(output)}
+
+
+def first_updates(output: str, last: int) -> str:
+    """``output`` without its train_inner records after update ``last``: what a shorter run
+    with the same flags logged (no schedule that depends on the run's length)."""
+    return "\n".join(line for line in output.splitlines() if "| train_inner | " not in line or
+                     int(json.loads(line.split("| train_inner | ", 1)[1])["num_updates"]) <= last)
 
 
 def assert_runs_close(got: str, want: str, rel: float, updates: int,

@@ -98,14 +98,17 @@ def checkpoint_files(save_dir: Path) -> set[str]:
 
 
 class Scenario:
-    """One command line, run under fsdp2 and under stock legacy_ddp (2 ranks each). Stock runs
-    go without the plugin: ``--user-dir`` dropped and, for a model the plugin names (``--arch
+    """One command line, run under fsdp2 and under stock legacy_ddp (2 ranks each; the stock
+    run on ``stock_ranks`` with ``stock_extra`` flags where given: 1 rank with --update-freq 2
+    takes the 2 ranks' batches of each update). Stock runs go without the plugin:
+    ``--user-dir`` dropped and, for a model the plugin names (``--arch
     transformer_nllb_tiny``), ``stock_model``: stock flags that build the same model."""
 
-    def __init__(self, root: Path, args, name: str, stock_model: tuple = ()):
+    def __init__(self, root: Path, args, name: str, stock_model: tuple = (),
+                 stock_ranks: int = 2, stock_extra: tuple = ()):
         self.root, self.args, self.name, self.stock_model = root, args, name, list(stock_model)
         self.fsdp2 = self.run("fsdp2")
-        self.stock = self.run("stock")
+        self.stock = self.run("stock", *stock_extra, ranks=stock_ranks)
 
     def save_dir(self, label: str) -> Path:
         return self.root / f"{self.name}-{label}"

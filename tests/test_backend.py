@@ -9,8 +9,8 @@ from conftest import (PLUGIN, REPO, STEP_DTYPES, other_rounding_draws, steps_in,
 from launcher import (FORKED_WORKER, free_port, ok, run_command, run_ranks, said_twice,
                       start_torchrun, train_inner)
 from numerics import (FP16_MOMENT, FP32_REORDERED, U16, U32, U_BF16, assert_runs_close,
-                      assert_within_noise, moment_rounding_step_error, per_update,
-                      printed_close, printed_half_unit)
+                      assert_within_noise, first_updates, moment_rounding_step_error,
+                      per_update, printed_close, printed_half_unit)
 from scenarios import NO_WORKER, is_adam_moment, shard_tensors
 
 #: NO_WORKER: the batches read in the rank's process, in the order fairseq's default worker gives
@@ -303,12 +303,6 @@ FP16_UPDATES = 10
 BF16_UPDATES = 10
 
 
-def first_updates(output: str, updates: int) -> dict:
-    """per_update of a run's first ``updates`` updates: those of a shorter run with the same
-    flags (a fixed learning rate: the run's length changes no update before its end)."""
-    return {n: v for n, v in per_update(output).items() if n <= updates}
-
-
 @pytest.mark.slow
 def test_fp16_equals_stock_fp16(runs):
     """--fp16 against stock fairseq's 2-rank legacy_ddp --fp16 over FP16_UPDATES. Both
@@ -327,7 +321,8 @@ def test_fp16_equals_stock_fp16(runs):
     assert_precision_close(per_update(ours), per_update(stock), U16, 2, FP16_UPDATES)
     # and fp16 is not fp32: the comparison above is not of two fp32 runs (the first updates of
     # test_fsdp2_equals_stock_legacy_ddp's fp32 Adam run)
-    assert per_update(ours) != first_updates(runs(*ADAM, updates=ADAM_UPDATES), FP16_UPDATES)
+    assert per_update(ours) != per_update(first_updates(runs(*ADAM, updates=ADAM_UPDATES),
+                                                        FP16_UPDATES))
 
 
 #: --fsdp2-reduce-dtype fp16, and --fsdp2-no-tied-grad-buffer: the tied embedding's three uses'
@@ -439,7 +434,7 @@ def test_bf16_against_fp32(runs, corpus, tmp_path):
                                                      plugin=False), torchrun_env=False)
     assert stock.returncode != 0 and "get_tpu_device" in stock.output, stock.output[-2000:]
     ours = per_update(runs(*ADAM, "--bf16", updates=BF16_UPDATES))
-    fp32 = first_updates(runs(*ADAM, updates=ADAM_UPDATES), BF16_UPDATES)
+    fp32 = per_update(first_updates(runs(*ADAM, updates=ADAM_UPDATES), BF16_UPDATES))
     assert_precision_close(ours, fp32, U_BF16, 1, BF16_UPDATES)
     assert ours != fp32  # bf16 really computed in bf16
 
@@ -608,7 +603,7 @@ def test_cpu_offload_and_activation_checkpointing_take_effect_and_equal_plain_fs
     assert all(u["policy"] == "CPUOffloadPolicy" and u["params_offloaded"] for u in units), units
     twice = 2 * effects["micro_batches"]
     assert effects["fc1_forwards"] == {layer: twice for layer in layers}, effects
-    plain = first_updates(runs(*ADAM, updates=ADAM_UPDATES), updates)
+    plain = per_update(first_updates(runs(*ADAM, updates=ADAM_UPDATES), updates))
     assert per_update(ours) == plain, (ours, plain)
 
 

@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from conftest import PLUGIN
-from numerics import FP32_REORDERED, U32, assert_runs_close
+from numerics import FP32_REORDERED, U32, assert_runs_close, first_updates
 from launcher import ok, run_ranks
 
 from fairseq_fsdp2.sharding import tied_grad_buffer
@@ -189,12 +189,6 @@ def test_tied_early_reduce_matches_fsdp2s_reduction_in_fp32(runs):
     assert "reduced into this rank's shard" in early
     assert "reduced into this rank's shard" not in buffer
     assert_runs_close(early, buffer, 2 * (6 + 1) * U32, UPDATE)
-
-
-def first_updates(output: str, last: int) -> str:
-    """``output`` without its train_inner records after update ``last``."""
-    return "\n".join(line for line in output.splitlines() if "| train_inner | " not in line or
-                     int(json.loads(line.split("| train_inner | ", 1)[1])["num_updates"]) <= last)
 
 
 def printed_table(output: str) -> dict[str, list[tuple[float, float]]]:

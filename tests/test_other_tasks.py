@@ -57,25 +57,16 @@ def assert_translated(proc) -> None:
 
 
 # --- multilingual_translation, shared encoders and decoders -------------------------------------
-class OneRankStock(Scenario):
-    """A Scenario whose stock run is on 1 rank x --update-freq 2 (one process fewer): the
-    2-rank run's global batches in the same updates, summed over micro-batches where 2 ranks sum
-    over ranks, which only reorders the gradient sums, as fsdp2 vs legacy_ddp do (within
-    assert_same_training's bound). It needs no dropout: fairseq seeds dropout once per update
-    (seed + update number), so each of 2 ranks starts its batch from that seed, where 1 rank's
-    second micro-batch goes on from the first's draws (with dropout 0.1: other losses)."""
-
-    def __init__(self, root, args, name: str):  # Scenario's, with the stock run on 1 rank
-        self.root, self.args, self.name, self.stock_model = root, args, name, []
-        self.fsdp2 = self.run("fsdp2")
-        self.stock = self.run("stock", "--update-freq", 2, ranks=1)
-
-
 @pytest.fixture(scope="module")
 def multilingual(corpus, tmp_path_factory):
-    """Both directions of the tiny corpus, one encoder and one decoder shared by the pairs, no
-    dropout (OneRankStock); a save at update 2 (and at the end), from which the resumed run
-    makes the last 2 of the 4."""
+    """Both directions of the tiny corpus, one encoder and one decoder shared by the pairs; a
+    save at update 2 (and at the end), from which the resumed run makes the last 2 of the 4.
+    The stock run is on 1 rank x --update-freq 2 (one process fewer): the 2-rank run's global
+    batches in the same updates, summed over micro-batches where 2 ranks sum over ranks, which
+    only reorders the gradient sums, as fsdp2 vs legacy_ddp do (within assert_same_training's
+    bound). Hence no dropout: fairseq seeds dropout once per update (seed + update number), so
+    each of 2 ranks starts its batch from that seed, where 1 rank's second micro-batch goes on
+    from the first's draws (with dropout 0.1: other losses)."""
     def args(save):
         return [corpus, "--user-dir", PLUGIN, "--task", "multilingual_translation", "--arch",
                 "multilingual_transformer", "--lang-pairs", PAIRS, "--share-encoders",
@@ -84,7 +75,8 @@ def multilingual(corpus, tmp_path_factory):
                 "--dropout", "0", *BASE, "--max-tokens", "500", "--log-format", "json",
                 "--disable-validation", "--max-update", "4", "--save-interval-updates", "2",
                 "--no-epoch-checkpoints", "--save-dir", save]
-    return OneRankStock(tmp_path_factory.mktemp("multilingual"), args, "multilingual")
+    return Scenario(tmp_path_factory.mktemp("multilingual"), args, "multilingual",
+                    stock_ranks=1, stock_extra=("--update-freq", 2))
 
 
 @pytest.mark.slow

@@ -12,6 +12,8 @@ from typing import Optional
 
 import pytest
 
+from launcher import close_fork_server
+
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 sys.path.insert(0, str(TESTS))
@@ -105,6 +107,15 @@ def temporary_files_in_the_session_dir(tmp_path_factory):
         patch.setenv("TMPDIR", str(tmp))  # the processes the tests start
         patch.setattr(tempfile, "tempdir", str(tmp))  # this one's (gettempdir() caches)
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server_waited_for():
+    """At the session's end, its fork server (tests/launcher.py) ends and is waited for: the
+    CPU time of every rank it forked then counts in this process's children's, as
+    scripts/benchmark_suite.py measures the suite."""
+    yield
+    close_fork_server()
 
 
 @pytest.fixture(scope="session")

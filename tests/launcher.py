@@ -119,6 +119,19 @@ class ForkServer:
         return Forked(self, key, self._wait_for(key, "pid", 900), out)
 
 
+    def close(self) -> None:
+        """End the server (the end of its input) and wait for it, so that its CPU time and its
+        children's count in this process's (``resource.RUSAGE_CHILDREN``, which
+        scripts/benchmark_suite.py reads): a server never waited for takes the CPU time of
+        every rank it forked out of that count."""
+        self._proc.stdin.close()
+        try:
+            self._proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
 class Forked:
     """A rank process started by the fork server, with the parts of Popen the tests use."""
 
@@ -192,6 +205,14 @@ def fork_server() -> ForkServer:
     if _server is None:
         _server = ForkServer()
     return _server
+
+
+def close_fork_server() -> None:
+    """End this session's fork server, if it started (ForkServer.close)."""
+    global _server
+    if _server is not None:
+        _server.close()
+        _server = None
 
 
 def start_ranks(nproc: int, args: Callable[[int], Sequence[str]], *,

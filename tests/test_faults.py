@@ -4,6 +4,7 @@ A lost rank is named by the survivors, which exit non-zero within the configured
 same command then resumes from the newest intact checkpoint and reproduces the uninterrupted
 run's losses; a failed save, a NaN loss and an out-of-memory error each stop with one clear line.
 """
+import functools
 import os
 import random
 import re
@@ -12,16 +13,18 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, tmpfs
+from conftest import REPO, tmpfs, train_args_for
 from launcher import finish_ranks, free_port, start_ranks, train_inner
 
 PROBES = str(REPO / "tests" / "probes")
 UPDATES = 9
 SAVE_EVERY = 3
 TIMEOUT_S = 20  # --heartbeat-timeout: no collective waits longer for a peer
+# --fsdp2-no-consolidate: no test here reads the export a finished run writes at its end (rank 0
+# reading the shards back, after the run's last collective); a restart resumes from the shards
 FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1",
          "--save-interval-updates", SAVE_EVERY, "--heartbeat-timeout", TIMEOUT_S,
-         "--num-workers", "0", "--no-epoch-checkpoints"]
+         "--num-workers", "0", "--no-epoch-checkpoints", "--fsdp2-no-consolidate"]
 
 
 def fault_points(seed: int, n: int = 10) -> list[tuple[str, int, str]]:
@@ -65,8 +68,19 @@ def resumed_at(output: str) -> int:
     return int(found.group(1)) if found else 0
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(corpus, tmp_path_factory) -> list:
+    """The kill-and-restart test's uninterrupted reference (its ranks' results), also 2 of the
+    clean-exit test's 6 rank exits. Nothing reads its checkpoints: it saves none (and so shows
+    that the saves of the runs compared with it do not change what they train)."""
+    save_dir = tmp_path_factory.mktemp("reference")
+    results, _ = run(functools.partial(train_args_for, corpus, save_dir), save_dir, save=False)
+    return results
+
+
 @pytest.mark.slow
 def test_killed_ranks_are_named_and_restarts_reproduce_the_uninterrupted_run(train_args,
+                                                                              uninterrupted,
                                                                               tmp_path):
     """5 seeded kill points (one rank or all; in forward, backward, the optimizer step, and
     inside saves: writing the shards and copying to checkpoint_last), each followed by a restart
@@ -76,11 +90,8 @@ def test_killed_ranks_are_named_and_restarts_reproduce_the_uninterrupted_run(tra
     its peer survives in the save) and rank 1 killed in its optimizer step (rank 0 may be past
     the update's last collective), 3 of the kills of one rank; among such seeds, one whose chain
     makes the fewest updates (13 in all, 4 saves; the run is 9 updates, saves every 3)."""
-    # nothing reads the reference's checkpoints: it saves none (and so shows that the saves of
-    # the runs compared with it do not change what they train)
-    reference, _ = run(train_args, tmp_path / "reference", save=False)
-    assert all(r.returncode == 0 for r in reference), reference[0].output[-3000:]
-    expected = losses(reference[0].output)
+    assert all(r.returncode == 0 for r in uninterrupted), uninterrupted[0].output[-3000:]
+    expected = losses(uninterrupted[0].output)
     assert sorted(expected) == list(range(1, UPDATES + 1))
 
     save_dir = tmp_path / "faulty"
@@ -269,16 +280,19 @@ def test_nan_loss_and_out_of_memory_stop_naming_update_and_rank(train_args, tmp_
         assert crash["optimizer_history"][-1]["num_updates"] == 2, crash["optimizer_history"]
 
 
-def test_three_short_runs_exit_cleanly(train_args):
+def test_three_short_runs_exit_cleanly(train_args, uninterrupted):
     """Every successful run ends through the interpreter's own exit (no os._exit), so the end
     of a run must leave nothing that aborts it: the heartbeat thread, left running as a daemon
     inside a store call, aborted the exit (std::terminate: docs/architecture.md, "The end of a
     run"); the run context stops and joins it. 3 runs of 2 ranks are 6 process exits, and every
-    other multi-rank run of the suite checks its ranks' status too."""
+    other multi-rank run of the suite checks its ranks' status too. The first is the kill test's
+    uninterrupted reference (module-scoped: the same end of a run, after 9 updates), the others
+    a run of 1 update each."""
     args = train_args("--ddp-backend", "fsdp2", "--num-workers", "0", updates=1)
     codes = []
     for attempt in range(3):
-        results = finish_ranks(start_ranks(2, lambda r: args), timeout=HANG_S)
+        results = uninterrupted if attempt == 0 else \
+            finish_ranks(start_ranks(2, lambda r: args), timeout=HANG_S)
         codes += [r.returncode for r in results]
         assert "done training" in results[0].output, results[0].output[-2000:]  # rank 0 logs
     assert codes == [0] * 6, codes

@@ -41,8 +41,11 @@ FAIRSEQ_TRAIN = [*FORKED_WORKER, "fairseq_cli.train"]
 #: the uninterrupted reference's length: the restart test's run (killed in update 4, the last,
 #: two updates after the save it resumes from) and the SLURM/torchrun chain (updates 1-4)
 UPDATES = 4
+# --fsdp2-no-consolidate: no test here reads the export a finished run writes at its end (rank 0
+# reading the shards back, after the run's last collective); every launch resumes from the shards
 FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", "--save-interval-updates", "2",
-         "--heartbeat-timeout", "60", "--num-workers", "0", "--no-epoch-checkpoints"]
+         "--heartbeat-timeout", "60", "--num-workers", "0", "--no-epoch-checkpoints",
+         "--fsdp2-no-consolidate"]
 ENV = {"PYTHONPATH": os.pathsep.join([PROBES, str(REPO)])}
 TIMEOUT_S = 300  # per run; the machine may be loaded
 

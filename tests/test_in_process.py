@@ -3,8 +3,8 @@ process, and hydra sweeps (process/lifecycle.py, process/run_context.py, command
 
 One Python program (tests/probes/in_process.py, a plain process: not a training command, so the
 plugin does not own it) trains, validates and generates with fairseq's own mains, trains again
-resuming, trains an uninterrupted reference, trains another config, fails twice and trains once
-more, all inside a TemporaryDirectory; a hydra --multirun sweep runs its jobs one after the
+resuming the first run's mid-run save, trains another config, fails twice and trains once more,
+all inside a TemporaryDirectory; a hydra --multirun sweep runs its jobs one after the
 other in one process. Real runs: 1 rank, the tiny model.
 """
 import json
@@ -19,7 +19,7 @@ from fairseq_fsdp2.data import numbers
 from fairseq_fsdp2.data.prepare import prepare
 
 PROBES = str(REPO / "tests" / "probes")
-PHASES = ["start", "train", "validate", "generate", "resume", "reference", "other",
+PHASES = ["start", "train", "validate", "generate", "resume", "other",
           "missing-data", "broken-checkpoint", "after-failures", "end"]
 
 
@@ -84,16 +84,18 @@ def test_fairseq_validate_and_generate_read_the_checkpoint_in_the_same_process(p
 
 
 def test_training_again_resumes_exactly_in_the_same_process(program):
-    """The resumed run (updates 5-6 from the first run's checkpoint) and an uninterrupted
-    6-update run, both in this process: the same logged losses and bit-identical weights
-    (mid-epoch resume is bit-exact, platform notes; nothing may carry over between runs)."""
+    """The resumed run (updates 5-6 from the first run's save at update 4), after the first run,
+    validation and generation in this process, against the first run itself, which trained on
+    uninterrupted to update 6 (its updates 1-6): the same logged losses and bit-identical
+    weights (mid-epoch resume is bit-exact, platform notes; nothing may carry over between
+    runs, and the reference ran before anything could)."""
     phases, _ = program
     resumed = {int(r["num_updates"]): r["loss"] for r in train_inner(phases["resume"][1])}
-    reference = {int(r["num_updates"]): r["loss"] for r in train_inner(phases["reference"][1])}
+    reference = {int(r["num_updates"]): r["loss"] for r in train_inner(phases["train"][1])}
     assert sorted(resumed) == [5, 6] and sorted(reference) == list(range(1, 7)), \
         (resumed, reference)
     assert resumed == {u: reference[u] for u in (5, 6)}
-    assert phases["reference"][0]["same_weights"] is True
+    assert phases["resume"][0]["same_weights"] is True
 
 
 def test_another_config_trains_after_them_in_the_same_process(program):

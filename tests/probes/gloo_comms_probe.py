@@ -1,10 +1,13 @@
-"""One rank of the gloo collectives check (tests/test_gloo_comms.py). Prints one ``PROBE {json}``.
+"""One rank of the gloo collectives check (tests/test_gloo_comms.py), run on 4 ranks. Prints one
+``PROBE {json}``: ``{"4": report, "2": report}``, the checks below on all 4 ranks, then on a
+2-rank group of ranks 0 and 1 (its own gloo context of 2: the same algorithms as a 2-process
+world, two processes fewer) while ranks 2 and 3 wait.
 
 1. The collectives alone, against gloo's own on the same inputs: all-gather outputs compared
    bit for bit; each reduce-scatter output element's difference, as a multiple of
    gamma(n - 1) x (the sum of its n terms' magnitudes) (see ``collectives``); and the resident
    memory each adds (VmHWM reset before, read after; outputs allocated and written beforehand,
-   so only temporaries count), at 16 MiB and 4 MiB shards (what grows with the data is the
+   so only temporaries count), at 8 MiB and 2 MiB shards (what grows with the data is the
    difference).
 2. Through FSDP2: two copies of one model, sharded alike (uneven rows, a unit per layer and a
    root), trained 3 Adam steps on the same batches, one with FSDP2's collectives and one after
@@ -31,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from fairseq.distributed.legacy_distributed_data_parallel import LegacyDistributedDataParallel
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from probe_report import report_and_exit
@@ -56,15 +59,15 @@ def hwm_bytes() -> int:
     raise RuntimeError("no VmHWM")
 
 
-def extra_memory(run) -> int:
+def extra_memory(run, group) -> int:
     """Resident bytes ``run`` adds on this rank (writing 5 to clear_refs resets VmHWM)."""
-    dist.barrier()
+    dist.barrier(group=group)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = hwm_bytes()
     run()
     extra = hwm_bytes() - before
-    dist.barrier()
+    dist.barrier(group=group)
     return extra
 
 
@@ -75,13 +78,15 @@ def collectives(group, numel: int) -> dict:
     ours, theirs = torch.zeros(numel * size), torch.zeros(numel * size)
     ours[rank * numel:(rank + 1) * numel].copy_(shard)
     slot = ours[rank * numel:(rank + 1) * numel]
-    ag_ours = extra_memory(lambda: gloo_collectives.BroadcastAllGather()(ours, slot, group))
-    ag_theirs = extra_memory(lambda: dist.all_gather_into_tensor(theirs, shard, group=group))
+    ag_ours = extra_memory(lambda: gloo_collectives.BroadcastAllGather()(ours, slot, group), group)
+    ag_theirs = extra_memory(lambda: dist.all_gather_into_tensor(theirs, shard, group=group),
+                             group)
     grads = torch.randn(numel * size, generator=g)
     mine, out_ours, out_theirs = grads.clone(), torch.zeros(numel), torch.zeros(numel)
     rs_ours = extra_memory(lambda: gloo_collectives.AllReduceReduceScatter()(
-        out_ours, mine, group, dist.ReduceOp.SUM))
-    rs_theirs = extra_memory(lambda: dist.reduce_scatter_tensor(out_theirs, grads, group=group))
+        out_ours, mine, group, dist.ReduceOp.SUM), group)
+    rs_theirs = extra_memory(lambda: dist.reduce_scatter_tensor(out_theirs, grads, group=group),
+                             group)
     # each output element sums the ranks' n terms; both results are within gamma(n - 1) x
     # their magnitudes' sum of the exact sum, so within twice that of each other. The
     # magnitudes summed in float64 (4 float32 terms: exact); the worst element's difference
@@ -137,8 +142,9 @@ def train(mesh, install: bool, reduce_dtype=None):
             unit.set_custom_all_gather(counts[0])
             unit.set_custom_reduce_scatter(counts[1])
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(100 + dist.get_rank())
-    weight = 1.0 if dist.get_rank() < 2 else 0.0  # two non-zero terms per sum (docstring)
+    rank = mesh.get_group().rank()
+    g = torch.Generator().manual_seed(100 + rank)
+    weight = 1.0 if rank < 2 else 0.0  # two non-zero terms per sum (docstring)
     for _ in range(3):
         x = torch.randn(4, 7, generator=g)
         (model(x).pow(2).sum() * weight).backward()
@@ -208,19 +214,21 @@ def like_legacy_ddp(mesh) -> dict:
     return report
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    report = {"collectives": collectives(mesh.get_group(), 16 * MIB // 4),
-              "quarter": collectives(mesh.get_group(), 4 * MIB // 4),
-              "uneven": collectives(mesh.get_group(), 1001)}
+def checks(mesh) -> dict:
+    """Parts 1 to 4 on the ranks of ``mesh``."""
+    group = mesh.get_group()
+    # 2 MiB: the smallest shard at which gloo's all-reduce scratch is already its fixed size
+    # (test_no_full_size_temporaries)
+    report = {"collectives": collectives(group, 8 * MIB // 4),
+              "quarter": collectives(group, 2 * MIB // 4),
+              "uneven": collectives(group, 1001)}
     theirs, _, _ = train(mesh, install=False)
     ours, calls, _ = train(mesh, install=True)
     report["train_max_diff"] = max((a - b).abs().max().item() for a, b in zip(ours, theirs))
     report["train_moved"] = min((a - b).abs().max().item()
                                 for a, b in zip(ours, build_model().parameters()))
     report["calls"] = calls
-    report["world_size"] = dist.get_world_size()
+    report["world_size"] = group.size()
     report["like_legacy_ddp"] = like_legacy_ddp(mesh)
     for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
         theirs, _, _ = train(mesh, install=False, reduce_dtype=dtype)
@@ -230,8 +238,17 @@ def main() -> None:
             "moved": min((a - b).abs().max().item()
                          for a, b in zip(ours, build_model().parameters())),
             "calls": calls, "reduce_scatter_dtypes": dtypes}
-    report_and_exit(report, print_here=dist.get_rank() == 0)
+    return report
 
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    assert dist.get_world_size() == 4, "run on 4 ranks (the 2-rank checks use ranks 0 and 1)"
+    reports = {"4": checks(init_device_mesh("cpu", (4,)))}
+    pair = dist.new_group([0, 1])  # every rank takes part in making it
+    if dist.get_rank() < 2:
+        reports["2"] = checks(DeviceMesh.from_group(pair, "cpu"))
+    report_and_exit(reports, print_here=dist.get_rank() == 0)
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -2,9 +2,9 @@
 driver or fairseq's own test helpers do (``distributed_utils.call_main(cfg, main)``), all in one
 process and inside a ``tempfile.TemporaryDirectory``:
 
-train (1 rank, 4 updates) -> validate and generate from its checkpoint with fairseq's own mains
--> train again, resuming to update 6 -> an uninterrupted 6-update run (the resume's reference:
-the two consolidated exports compared bit for bit)
+train (1 rank, 6 updates, saving at update 4 too) -> validate and generate from its checkpoint
+with fairseq's own mains -> train again, resuming its update-4 save to update 6 (the first run is
+the resume's uninterrupted reference: the two consolidated exports compared bit for bit)
 -> another config (background saves, the root resharded, one encoder layer, bf16 moments:
 the stochastic rounding's kept buffers) -> a run with a missing data directory and one with a
 broken checkpoint, each caught as an FSDP2Error -> a run in a process group the program opened itself (with --heartbeat-timeout, which the run sets on
@@ -114,7 +114,9 @@ def main() -> None:
               "--min-params-to-wrap", "1", "--num-workers", "0"]
     with tempfile.TemporaryDirectory() as tmp:
         first = os.path.join(tmp, "first")
-        train_run([*common, "--max-update", 4, "--save-dir", first])
+        # 6 updates, saved at 4 too: the resume below starts from that save, and this run is
+        # its uninterrupted reference (once a third run of 6 updates after the resume)
+        train_run([*common, "--max-update", 6, "--save-interval-updates", 4, "--save-dir", first])
         phase("train")
         checkpoint = os.path.join(first, "checkpoint_last.pt")
         distributed_utils.call_main(parsed(options.get_validation_parser(), [
@@ -131,14 +133,13 @@ def main() -> None:
         with open(os.path.join(results, "generate-valid.txt")) as f:
             hypotheses = sum(line.startswith("H-") for line in f)
         phase("generate", hypotheses=hypotheses)
-        train_run([*common, "--max-update", 6, "--save-dir", first])
-        phase("resume")
-        reference = os.path.join(tmp, "reference")
-        train_run([*common, "--max-update", 6, "--save-dir", reference])
+        resumed_dir = os.path.join(tmp, "resumed")
+        train_run([*common, "--max-update", 6, "--save-dir", resumed_dir,
+                   "--restore-file", os.path.join(first, "checkpoint_1_4.pt")])
         resumed, uninterrupted = (torch.load(os.path.join(d, "checkpoint_last_consolidated.pt"),
                                              weights_only=True)["model"]
-                                  for d in (first, reference))
-        phase("reference", same_weights=resumed.keys() == uninterrupted.keys() and all(
+                                  for d in (resumed_dir, first))
+        phase("resume", same_weights=resumed.keys() == uninterrupted.keys() and all(
             torch.equal(resumed[k], uninterrupted[k]) for k in resumed))
         other = os.path.join(tmp, "other")
         train_run([*common, "--max-update", 4, "--save-dir", other, "--encoder-layers", 1,

@@ -60,21 +60,23 @@ STOCK_DDP = ["--ddp-backend", "legacy_ddp", "--distributed-init-method", "env://
 
 
 #: Test files, longest first (seconds of `pytest --durations=0`, summed per file, in a suite run
-#: of two workers, 2026-12-05 with ATEN_CPU_CAPABILITY=avx2: 114 s for test_backend.py down to
-#: 11 s for test_tied_early_reduce.py). scripts/test.sh runs two pytest-xdist workers that take
-#: whole files in collection order (--dist loadfile --no-loadscope-reorder): longest first, no
-#: worker is left alone with a long file at the end. Files not listed come after, in pytest's
-#: order. The order changes nothing but which worker runs what when.
+#: of two workers, 2026-12-06 at cb38026 with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2:
+#: 61 s for test_backend.py down to 5 s for test_layout.py). scripts/test.sh runs two pytest-xdist
+#: workers that take whole files in collection order (--dist loadfile --no-loadscope-reorder):
+#: longest first, no worker is left alone with a long file at the end. Files not listed (under
+#: 5 s each) come after, in pytest's order. The order changes nothing but which worker runs
+#: what when.
 LONGEST_FIRST = [
-    "test_backend.py", "test_bad_input.py", "test_checkpoints.py", "test_fairseq_compat.py",
-    "test_faults.py", "test_estimate.py", "test_bf16_weights.py", "test_evaluate.py",
-    "test_predicted_tables.py", "test_lora.py",
-    "test_adam_stats_8bit.py", "test_launchers.py", "test_fairseq_validation.py",
-    "test_nllb_finetune.py", "test_ema.py", "test_quiet.py", "test_chunked_loss.py",
-    "test_in_process.py", "test_narrow_grads.py", "test_other_tasks.py", "test_gpu_check.py",
-    "test_estimate_rules.py", "test_hf_nllb.py", "test_grown_embedding.py",
-    "test_hf_add_langs.py", "test_memory_breakdown.py", "test_end_of_run.py",
-    "test_legacy_fairscale.py", "test_hub.py", "test_tied_early_reduce.py",
+    "test_backend.py", "test_bad_input.py", "test_faults.py", "test_checkpoints.py",
+    "test_fairseq_compat.py", "test_estimate.py", "test_fairseq_validation.py",
+    "test_launchers.py", "test_nllb_finetune.py", "test_adam_stats_8bit.py", "test_evaluate.py",
+    "test_ema.py", "test_lora.py", "test_quiet.py", "test_bf16_weights.py", "test_gpu_check.py",
+    "test_in_process.py", "test_chunked_loss.py", "test_end_of_run.py", "test_hf_nllb.py",
+    "test_other_tasks.py", "test_predicted_tables.py", "test_step_in_backward.py",
+    "test_narrow_grads.py", "test_gloo_comms.py", "test_memory_breakdown.py",
+    "test_grown_embedding.py", "test_estimate_rules.py", "test_hub.py",
+    "test_legacy_fairscale.py", "test_hf_add_langs.py", "test_settings.py",
+    "test_tied_early_reduce.py", "test_layout.py",
 ]
 
 

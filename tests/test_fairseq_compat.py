@@ -209,8 +209,8 @@ STOCK_NLLB_TINY = [
 @pytest.fixture(scope="module")
 def multilingual(tmp_path_factory):
     """Two pairs of the numbers corpus (300 sentences each); virtual epochs of 300 sampled
-    sentences (about 4 updates at 2 ranks); a save every 3 updates, so update 6 is mid virtual
-    epoch 2."""
+    sentences (6 updates at 2 ranks: epoch 1 is updates 1-6); a save every 3 updates, so update
+    9 is mid virtual epoch 2 (the resumed runs start there)."""
     root = tmp_path_factory.mktemp("multilingual")
     numbers.write_corpus(root / "raw", PAIRS, n_train=300, n_valid=10, n_test=10, seed=2)
     data = prepare(root / "raw", root / "data", vocab_size=120, log=lambda *a: None)
@@ -297,7 +297,7 @@ def layerdrop(corpus, tmp_path_factory):
                     report = json.loads(line[len("LAYERS "):])
                     reports.setdefault(report["rank"], {})[report["update"]] = report
         return results[0].output, reports
-    full = run("full")
+    full = run("full", "--fsdp2-no-consolidate")  # no export: none is read
     return full, run("resumed", "--restore-file", root / "full" / "checkpoint_1_3.pt",
                      "--no-save")
 

@@ -9,6 +9,7 @@ tests/test_fairseq_compat.py's module docstring; BLEU is compared where both run
 from __future__ import annotations
 
 import re
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -117,19 +118,20 @@ VALID_FIELDS = ("valid_num_updates", "valid_loss", "valid_bleu", "valid_best_ble
 
 @pytest.fixture(scope="module")
 def validation_killed(validation):
-    """Killed in the first update after the epoch-end save (every rank), then rerun. The killed
-    run starts from the uninterrupted run's last save before the epoch end (--restore-file; a
-    mid-epoch resume is exact, platform notes), not from update 1: it reaches the same
-    epoch-end save, best score and patience count, without training and validating the
-    updates before that save again; the rerun (the command without --restore-file) resumes
-    from its own save dir's epoch-end checkpoint, as before."""
-    save = validation.save_dir("fsdp2")
-    epoch_end = torch.load(save / "checkpoint1.pt", weights_only=True)
+    """The same command rerun on a save dir holding what a kill in the first update after the
+    epoch-end save leaves: that save as checkpoint_last.pt, its shards beside it. It is the
+    uninterrupted run's checkpoint1.pt, the same command's save at that point, with the best
+    score and the patience count so far (1 here): the file a kill of that run right after the
+    save would leave (saves are synchronous here: a SIGKILL after one changes none of its
+    files), where a killed run made it again before (2 ranks: the updates from the last save
+    before the epoch end, a validation, the save). As tests/test_fairseq_compat.py's
+    ``epochs_killed`` starts."""
+    save, uninterrupted = validation.save_dir("killed"), validation.save_dir("fsdp2")
+    epoch_end = torch.load(uninterrupted / "checkpoint1.pt", weights_only=True)
     end = epoch_end["optimizer_history"][-1]["num_updates"]
-    start = max(int(p.stem.split("_")[-1]) for p in save.glob("checkpoint_1_*.pt")
-                if int(p.stem.split("_")[-1]) < end)
-    validation.run("killed", "--restore-file", save / f"checkpoint_1_{start}.pt",
-                   fault=f"forward:{end + 1}:all")
+    shards = epoch_end["fsdp2"]["shards"]
+    shutil.copytree(uninterrupted / shards, save / shards)
+    shutil.copy(uninterrupted / "checkpoint1.pt", save / "checkpoint_last.pt")
     return end, validation.run("killed")
 
 

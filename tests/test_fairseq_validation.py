@@ -136,7 +136,7 @@ def validation_killed(validation):
 
 
 @pytest.mark.slow
-def test_best_score_and_patience_count_survive_a_kill(validation, validation_killed):
+def test_best_score_and_patience_count_survive_a_restart(validation, validation_killed):
     """The rerun resumes at the epoch end with fairseq's best BLEU and the plugin's saved
     patience count: the uninterrupted run's updates and validation figures, and it stops where
     that run stopped (stock fairseq restarts the patience count on resume and stops later)."""

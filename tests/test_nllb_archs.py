@@ -72,3 +72,4 @@ def test_nllb_settings_and_command_line_override():
     assert (args.encoder_layers, args.decoder_layers) == (3, 2)
     assert args.dropout == 0.3 and args.max_source_positions == 1000
     assert args.encoder_embed_dim == 64 and args.encoder_attention_heads == 4
+    assert (args.attention_dropout, args.activation_dropout) == (0.1, 0.0)  # NLLB's, kept

@@ -273,7 +273,8 @@ def test_16_bit_reduction_halves_the_tracked_reduce_scatter_buffer(tmp_path):
                 "--no-epoch-checkpoints", "--no-last-checkpoints", "--fsdp2-no-consolidate",
                 "--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", "--fp16",
                 "--fsdp2-reduce-dtype", reduce, "--fsdp2-memory-breakdown", "1",
-                "--fsdp2-no-tied-early-reduce", *NO_WORKER]  # FSDP2 reduce-scatters the tied embedding
+                "--fsdp2-no-tied-early-reduce",  # FSDP2 reduce-scatters the tied embedding
+                *NO_WORKER]
         ok(run_ranks(2, lambda r: args))
         tracked = [r["max"]["comm buffers"]
                    for r in json.loads((save / FILE_NAME).read_text())["ranks"]]

@@ -260,7 +260,7 @@ def test_16_bit_reduction_halves_the_tracked_reduce_scatter_buffer(tmp_path):
     # rank's time at 144 tokens. One update, the one recorded: the comm buffers are FSDP2's
     # all-gather and reduce-scatter buffers, which every update makes alike (what update 1 adds,
     # Adam's state, is no comm buffer): update 1 and update 2 tracked the same bytes (5,120,000
-    # fp32, 2,626,944 fp16 on both ranks). The batches read in the rank's process (NO_WORKER)
+    # fp32, 2,626,944 fp16 on both ranks). NO_WORKER: no data-loader process per rank
 
     def run(reduce: str):
         save = tmp_path / reduce

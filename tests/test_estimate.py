@@ -19,6 +19,7 @@ import torch
 
 from conftest import PLUGIN
 from launcher import ok, run_ranks
+from scenarios import NO_WORKER
 
 from fairseq_fsdp2 import estimate as cli
 from fairseq_fsdp2.estimator import from_args
@@ -207,7 +208,7 @@ def test_sharded_and_optimizer_bytes_equal_a_real_two_rank_checkpoint(corpus, tm
     save = tmp_path / "ckpt"
     args = [str(corpus), "--user-dir", PLUGIN, *TINY_MODEL, *TRAINING, "--ddp-backend", "fsdp2",
             "--min-params-to-wrap", "1", "--max-update", "1", "--save-dir", str(save),
-            "--no-epoch-checkpoints", "--fsdp2-no-consolidate", *stats]
+            "--no-epoch-checkpoints", "--fsdp2-no-consolidate", *NO_WORKER, *stats]
     ok(run_ranks(2, lambda r: args))
     header = torch.load(save / "checkpoint_last.pt", weights_only=True)["fsdp2"]
     real = shard_bytes_per_rank(save / header["shards"], header["aliases"])
@@ -256,20 +257,24 @@ def test_16_bit_reduction_halves_the_tracked_reduce_scatter_buffer(tmp_path):
     # 48 tokens a batch (5 sentences of 9): the comm buffers are the units' (vocab and dim),
     # whatever the batch; --fp16's matmuls are a reference GEMM without AVX-512, and the output
     # projection's (tokens x 20,000 x 64, recomputed by the chunked loss) made most of each
-    # rank's time at 144 tokens
+    # rank's time at 144 tokens. One update, the one recorded: the comm buffers are FSDP2's
+    # all-gather and reduce-scatter buffers, which every update makes alike (what update 1 adds,
+    # Adam's state, is no comm buffer): update 1 and update 2 tracked the same bytes (5,120,000
+    # fp32, 2,626,944 fp16 on both ranks). NO_WORKER: no data-loader process per rank
 
     def run(reduce: str):
         save = tmp_path / reduce
         args = [str(data), "--user-dir", PLUGIN, "--task", "translation",
                 "--arch", "transformer_nllb_tiny", "--optimizer", "adam", "--lr", "1e-3",
                 "--criterion", "label_smoothed_cross_entropy_chunked", "--loss-chunk-tokens",
-                "16", "--label-smoothing", "0.1", "--max-tokens", "48", "--max-update", "2",
+                "16", "--label-smoothing", "0.1", "--max-tokens", "48", "--max-update", "1",
                 "--log-format", "json", "--log-interval", "1", "--seed", "1", "--cpu",
                 "--no-progress-bar", "--disable-validation", "--save-dir", str(save),
                 "--no-epoch-checkpoints", "--no-last-checkpoints", "--fsdp2-no-consolidate",
                 "--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", "--fp16",
-                "--fsdp2-reduce-dtype", reduce, "--fsdp2-memory-breakdown", "2",
-                "--fsdp2-no-tied-early-reduce"]  # FSDP2 reduce-scatters the tied embedding
+                "--fsdp2-reduce-dtype", reduce, "--fsdp2-memory-breakdown", "1",
+                "--fsdp2-no-tied-early-reduce",  # FSDP2 reduce-scatters the tied embedding
+                *NO_WORKER]
         ok(run_ranks(2, lambda r: args))
         tracked = [r["max"]["comm buffers"]
                    for r in json.loads((save / FILE_NAME).read_text())["ranks"]]

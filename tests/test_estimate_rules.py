@@ -98,13 +98,16 @@ def test_tied_gradient_buffer_keeps_one_embedding_gradient(models):
     from the loss's forward to the start of backward."""
     flags = ["--criterion", "label_smoothed_cross_entropy_chunked", "--loss-chunk-tokens",
              "512", "--fsdp2-root-reshard", "always"]
+    # one profile: the buffer and the early reduce are the Setup's (from_args.setup_for), which
+    # simulate_fsdp2 plays over the model's profile (profile_for reads neither)
+    profile = models.profile(from_args.parse(nllb_args("transformer_nllb_600m", *flags)))
     ledgers = []
     for extra in (["--fsdp2-no-tied-grad-buffer"], ["--fsdp2-no-tied-early-reduce"], []):
         args = from_args.parse(nllb_args("transformer_nllb_600m", *flags, *extra))
         setup = from_args.setup_for(args, 2)
         assert setup.tied_grad_buffer == (extra != ["--fsdp2-no-tied-grad-buffer"])
         assert setup.tied_early_reduce == (not extra)
-        ledgers.append(simulate_fsdp2(models.profile(args), setup))
+        ledgers.append(simulate_fsdp2(profile, setup))
     stock, buffered, early = ledgers
     one = NLLB_VOCAB * 1024 * 4  # one fp32 vocab x dim gradient
     saved = stock.max["grads"] - buffered.max["grads"]
@@ -200,6 +203,14 @@ def test_16_bit_adam_moments_halve_the_optimizer_state(models):
     assert setup(*ddp, "--bf16", "--bf16-adam-stats", world=1).adam_stats == "fp32"
 
 
+#: NLLB-3.3B's settings in docs/memory.md's 2-GPU prose (the chunked loss, the root resharded,
+#: activations checkpointed), FSDP2 reducing the tied embedding: the two tests below estimate
+#: it under several reduction settings over one profile
+NLLB_3_3B_MEMORY_MD = ("--criterion", "label_smoothed_cross_entropy_chunked",
+                       "--loss-chunk-tokens", "256", "--fsdp2-root-reshard", "always",
+                       "--checkpoint-activations", "--fsdp2-no-tied-early-reduce")
+
+
 def test_16_bit_reduce_dtype_halves_the_reduce_scatter_input(capsys, models):
     """--fsdp2-reduce-dtype fp16 (with --fp16) or bf16 (with --bf16): FSDP2's reduce-scatter
     input holds 2 bytes per element instead of 4, and so does its output, which FSDP2 then
@@ -211,9 +222,7 @@ def test_16_bit_reduce_dtype_halves_the_reduce_scatter_input(capsys, models):
     (this rank's half of the embedding, 0.49 GiB) comes on top: 0.49 GiB less, not the 0.98 of
     the input alone. Stock legacy_ddp has no such setting (counted fp32), and a reduce dtype
     other than fp32 or the compute dtype is refused, as in training."""
-    base = nllb_args("transformer_nllb_3_3b", "--criterion", "label_smoothed_cross_entropy_chunked",
-                     "--loss-chunk-tokens", "256", "--fsdp2-root-reshard", "always",
-                     "--checkpoint-activations", "--fsdp2-no-tied-early-reduce")
+    base = nllb_args("transformer_nllb_3_3b", *NLLB_3_3B_MEMORY_MD)
     profile = models.profile(from_args.parse(base + ["--fp16"]))  # fp16 and bf16 alike
     shared = next(u for u in profile.units if set(profile.output_paths) & set(u.module_paths))
     local, padded, _ = unit_sizes(shared, 2, 0)
@@ -288,11 +297,12 @@ def test_16_bit_gradient_shards_and_the_row_chunked_step(models):
     (gradients added over micro-batches would round in 16 bits), --cpu-offload."""
     from fairseq_fsdp2.optimizer.moments.blockwise_8bit import CHUNK, TEMPORARY_BYTES
     from fairseq_fsdp2.optimizer.row_chunk_step import STEP_CHUNK
-    base = nllb_args("transformer_nllb_3_3b", "--criterion", "label_smoothed_cross_entropy_chunked",
-                     "--loss-chunk-tokens", "256", "--fsdp2-root-reshard", "always",
-                     "--checkpoint-activations", "--fp16", "--fsdp2-reduce-dtype", "fp16",
-                     "--fsdp2-no-tied-early-reduce")  # FSDP2 reduces the tied embedding
-    profile = models.profile(from_args.parse(base))
+    base = nllb_args("transformer_nllb_3_3b", *NLLB_3_3B_MEMORY_MD, "--fp16",
+                     "--fsdp2-reduce-dtype", "fp16")
+    # the reduce dtype is the Setup's: the profile test_16_bit_reduce_dtype_halves_the_reduce_
+    # scatter_input made (the module's ModelCache)
+    profile = models.profile(from_args.parse(nllb_args("transformer_nllb_3_3b",
+                                                       *NLLB_3_3B_MEMORY_MD, "--fp16")))
     shared = next(u for u in profile.units if set(profile.output_paths) & set(u.module_paths))
     local = unit_sizes(shared, 2, 0)[0]
     for stats in ([], ["--eight-bit-adam-stats"]):

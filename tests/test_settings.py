@@ -138,11 +138,17 @@ def estimator_decisions(args):
     return setup.adam_stats, setup.narrow_grads, row_chunked(setup), setup.bf16_weights
 
 
+@pytest.fixture(scope="module")
+def cfgs() -> dict:
+    """fairseq-train's config converted once per optimizer for the module (runtime_config)."""
+    return {}
+
+
 def negated(function):
     return lambda *a, **k: not function(*a, **k)
 
 
-def test_the_run_and_the_estimator_decide_with_the_same_functions(monkeypatch):
+def test_the_run_and_the_estimator_decide_with_the_same_functions(monkeypatch, cfgs):
     """For every combination: the estimator's decisions (moment format, 16-bit gradient shards,
     row-chunked step) equal the run's; with a settings
     function replaced (its answer negated), both sides still agree, and the decision it makes
@@ -152,7 +158,6 @@ def test_the_run_and_the_estimator_decide_with_the_same_functions(monkeypatch):
     The optimizer is built anew with the function negated where its build calls that function;
     otherwise the one built before serves (a build that never calls it cannot differ). amsgrad
     has no flag: its two values share a command line, a config and so the optimizers built."""
-    cfgs: dict = {}
     parses: dict = {}
     built: dict = {}  # (command line, the function negated or None) -> (optimizer, consulted)
     real = {name: getattr(settings, name) for name in
@@ -192,11 +197,12 @@ def test_the_run_and_the_estimator_decide_with_the_same_functions(monkeypatch):
                     (False, True, True), (True, True, True)}
 
 
-def test_the_runtime_config_is_fairseqs():
+def test_the_runtime_config_is_fairseqs(cfgs):
     """runtime_config's field copy gives what fairseq's conversion gives, for the combination
-    that changes the most fields from the first one converted."""
+    that changes the most fields from the first one converted (the module's conversion of
+    Adam's first command line: made here where the test above did not make it, else copied
+    from the last one it decided, back to the first, then to this one)."""
     lines = [(argv, amsgrad) for _, argv, amsgrad in command_lines() if "adam" in argv]
-    cfgs: dict = {}
     runtime_config(parsed(*lines[0]), cfgs)
     args = parsed(*lines[-1])
     fresh = convert_namespace_to_omegaconf(args)

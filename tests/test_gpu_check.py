@@ -285,7 +285,8 @@ def built(tmp_path_factory) -> Path:
         "@pytest.mark.parametrize('i', range(6))\n"
         "def test_sleeps(i):\n"
         f"    open({str(tmp / 'slow' / 'pids')!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
-        "    time.sleep(float(os.environ.get('SLOW_TEST_S', '2')))\n")
+        "    slow = float(os.environ.get('SLOW_TEST_S', '2'))\n"
+        "    time.sleep(float(os.environ.get('FIRST_TEST_S', slow)) if i == 0 else slow)\n")
     (tmp / "quick").mkdir()
     (tmp / "quick" / "test_quick.py").write_text("def test_nothing():\n    pass\n")
     return tmp
@@ -322,9 +323,11 @@ def test_tests_stopped_at_the_time_limit_leave_a_report_of_what_never_ran(built)
 def test_sigterm_during_the_tests_leaves_a_report_and_no_test_process(built):
     results = built / "work" / "results.jsonl"
     results.unlink(missing_ok=True)  # an earlier test's
+    # The first test passes at once; each later one sleeps 60 s, longer than a SIGTERM takes
+    # to arrive on a loaded machine (the script's SIGTERM ends it: no wait for it)
     proc = subprocess.Popen(["bash", str(SCRIPT), "test"], stderr=subprocess.PIPE, text=True,
-                            env=slow_tests(built))
-    # SIGTERM once the first test has finished (then 5 more take 2 s each: some never run).
+                            env=slow_tests(built, FIRST_TEST_S="0", SLOW_TEST_S="60"))
+    # SIGTERM once the first test has finished (the second then runs, 4 more never do).
     # The wait ends at that event; its limit only bounds a hung run (the suite's 600 s, as
     # tests/test_faults.py's HANG_S; a run with no result by then fails the checks below):
     # start-up time depends on the CPU and its load

@@ -162,7 +162,8 @@ def test_fairseq_trains_on_it(prepared):
         "--arch", "transformer_nllb_tiny", "--user-dir", REPO / "fairseq_fsdp2", "--cpu",
         "--max-tokens", "1000", "--max-update", "2", "--optimizer", "adam", "--lr", "1e-3",
         "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-        "--no-save", "--disable-validation", "--no-progress-bar", timeout=180)
+        "--no-save", "--disable-validation", "--no-progress-bar", "--num-workers", "0",
+        timeout=180)
     out = proc.output
     assert proc.returncode == 0, out[-3000:]
     assert "num_updates 2" in out

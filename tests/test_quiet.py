@@ -9,8 +9,10 @@ the suite's environment (with PYTHONWARNINGS=ignore there, the runs would prove 
 """
 from __future__ import annotations
 
+import os
 import re
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -84,30 +86,53 @@ def test_the_run_filters_are_exact_and_removed_after():
     assert warnings.filters == before  # exactly what it added is gone, nothing else
 
 
-def command(module: str, *args) -> str:
-    """``python -m module args`` in a fresh interpreter (not forked from the test server, whose
-    logging has no root handler: a debug line would not show there), its output."""
-    (result,) = run_ranks(1, lambda rank: [str(a) for a in args], module=module,
-                          fresh_interpreter=True, torchrun_env=False, timeout=180,
-                          env=DEFAULT_FILTERS)
-    assert result.returncode == 0, result.output[-3000:]
-    return result.output
+#: the commands' probe (tests/probes/quiet_commands.py) and what it prints after each command
+PROBES = str(REPO / "tests" / "probes")
+MARK = re.compile(r"^=== quiet_commands: (\S+) exit (-?\d+) ===$", re.M)
 
 
-def test_hydra_command_prints_no_deprecation_and_no_debug(corpus):
+@pytest.fixture(scope="module")
+def commands(corpus, tmp_path_factory) -> tuple[dict, str, Path]:
+    """plot_memory, then the hydra command, as ``python -m`` runs them, one after the other in
+    ONE fresh interpreter (not forked from the test server, whose logging has no root handler:
+    a debug line would not show there; one interpreter's imports instead of two): the probe
+    puts logging and the warning filters back, before each, as they are once the package is
+    imported, so what one command set cannot hide the other's lines. Each command's output
+    (a dict by module), the whole output (import-time warnings of modules both use are printed
+    in the first one's part) and the chart's folder."""
+    tmp = tmp_path_factory.mktemp("quiet-commands")
+    log = tmp / "memory.jsonl"
+    log.write_text('{"num_updates": 2, "device": "cpu", "ranks": [{"rank": 0, "peak_gb": 1.0, '
+                   '"reserved_gb": 0.0, "alloc_retries": 0.0}]}\n')
     # fairseq's hydra main composes the whole config (deprecations at its import and compose,
     # hydra's debug lines under fairseq's DEBUG root); --cfg job prints it and stops
-    output = command("fairseq_fsdp2.hydra_train", "--config-dir", REPO / "configs",
-                     "--config-name", "nllb_tiny_demo", f"task.data={corpus}", "--cfg", "job")
-    assert "max_update: 300" in output  # the config was composed and printed
+    argv = ["fairseq_fsdp2.plot_memory", log, tmp / "memory.png", "::",
+            "fairseq_fsdp2.hydra_train", "--config-dir", REPO / "configs",
+            "--config-name", "nllb_tiny_demo", f"task.data={corpus}", "--cfg", "job"]
+    (result,) = run_ranks(1, lambda rank: [str(a) for a in argv], module="quiet_commands",
+                          fresh_interpreter=True, torchrun_env=False, timeout=180,
+                          env={**DEFAULT_FILTERS, "PYTHONPATH": os.pathsep.join(
+                              [PROBES, os.environ.get("PYTHONPATH", "")])})
+    assert result.returncode == 0, result.output[-3000:]
+    output, parts, start = result.output, {}, 0
+    for m in MARK.finditer(output):
+        assert m[2] == "0", output[start:m.start()][-3000:]
+        parts[m[1]] = output[start:m.start()]
+        start = m.end()
+    assert list(parts) == ["fairseq_fsdp2.plot_memory", "fairseq_fsdp2.hydra_train"], output[-3000:]
+    return parts, output, tmp
+
+
+def test_hydra_command_prints_no_deprecation_and_no_debug(commands):
+    parts, output, _ = commands
+    assert "max_update: 300" in parts["fairseq_fsdp2.hydra_train"]  # composed and printed
+    # the whole output: fairseq's and the plugin's imports ran in the first command's part
     assert not WARNING_LINE.search(output), output[:3000]
     assert "DEBUG" not in output, output[:3000]
 
 
-def test_plot_memory_prints_no_debug(tmp_path):
-    log = tmp_path / "memory.jsonl"
-    log.write_text('{"num_updates": 2, "device": "cpu", "ranks": [{"rank": 0, "peak_gb": 1.0, '
-                   '"reserved_gb": 0.0, "alloc_retries": 0.0}]}\n')
-    output = command("fairseq_fsdp2.plot_memory", log, tmp_path / "memory.png")
-    assert (tmp_path / "memory.png").is_file()
+def test_plot_memory_prints_no_debug(commands):
+    parts, _, tmp = commands
+    output = parts["fairseq_fsdp2.plot_memory"]
+    assert (tmp / "memory.png").is_file()
     assert "DEBUG" not in output and "matplotlib" not in output, output[:3000]

@@ -14,10 +14,10 @@ from numerics import (FP16_MOMENT, FP32_REORDERED, U16, U32, U_BF16, assert_runs
 from scenarios import NO_WORKER, is_adam_moment, shard_tensors
 
 #: NO_WORKER: the batches read in the rank's process, in the order fairseq's default worker gives
-#: them (every FSDP2 run here alike; the stock runs keep fairseq's default): no data-loader process
-#: per rank, and no wait for one at the end (a saved fine-tune's export in rank 0 waited up to
-#: torch's 5 s MP_STATUS_CHECK_INTERVAL for the worker of a data loader collected during it:
-#: tests/test_adam_stats_8bit.py)
+#: them (every run here alike, the stock runs too, as tests/scenarios.py's): no data-loader
+#: process per rank, and no wait for one at the end (a saved fine-tune's export in rank 0 waited
+#: up to torch's 5 s MP_STATUS_CHECK_INTERVAL for the worker of a data loader collected during
+#: it: tests/test_adam_stats_8bit.py)
 FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", *NO_WORKER]
 
 
@@ -43,9 +43,14 @@ def runs(corpus, tmp_path_factory):
             # steps' gradient and reduction dtypes (tests/probes/step_dtypes.py: values
             # unchanged)
             probe = other_rounding_draws() if other_draws else {} if stock else STEP_DTYPES
-            # stock: fairseq alone, no --user-dir (conftest.train_args_for)
+            # stock: fairseq alone, no --user-dir (conftest.train_args_for), its batches read
+            # in the rank's process too (NO_WORKER: the same batches in the same order, as
+            # tests/scenarios.py's stock runs). A saved FSDP2 run writes no consolidated export
+            # (--fsdp2-no-consolidate): the tests read its shards (saved_moments, the fp16
+            # moments' resume), never the export
+            ours = [*FSDP2, *(["--fsdp2-no-consolidate"] if save else [])]
             done[key] = ok(run_ranks(2, lambda r: train_args_for(
-                corpus, save_dir, *(stock_ddp(r, 2) if stock else FSDP2), *flags,
+                corpus, save_dir, *([*stock_ddp(r, 2), *NO_WORKER] if stock else ours), *flags,
                 updates=updates, save=save, plugin=not stock), **probe))
             if save:
                 run.save_dirs[key[0] + ((OTHER_DRAWS,) if other_draws else ())] = save_dir
@@ -96,7 +101,10 @@ def test_torchrun_without_distributed_flags(train_args, tmp_path):
     fresh interpreters and all, runs in tests/test_nllb_finetune.py.)"""
     agent = start_torchrun(["--nproc_per_node", "2", "--master_port", free_port(),
                             *FORKED_WORKER, "fairseq_cli.train",
-                            *train_args(*FSDP2, "--log-interval", "2", save=True, updates=6)],
+                            # saved: the run writes memory.jsonl into its save dir (none
+                            # with --no-save); no test reads its export
+                            *train_args(*FSDP2, "--log-interval", "2", "--fsdp2-no-consolidate",
+                                        save=True, updates=6)],
                            str(tmp_path / "torchrun.log"))
     agent.wait(240)
     out = agent.output()
@@ -383,12 +391,12 @@ def test_fp16_reduction_equals_stock_fp16_within_the_rounding_of_the_reduced_gra
     # stock fairseq alone reads the test's own checkpoint through tests/probes/stock_trusting.py
     # (torch's weights_only refuses what fairseq pickles; the plugin's allow-list is not loaded
     # on the reference side), each rank reading it; --fp16-no-flatten-grads: as in
-    # test_fp16_equals_stock_fp16
+    # test_fp16_equals_stock_fp16; NO_WORKER: as the runs fixture's stock runs
     trusted = fp16_exact_start[-1]
     stock = ok(run_ranks(2, lambda r: train_args_for(
-        corpus, tmp_path / "stock", *stock_ddp(r, 2), *ADAM, "--fp16", "--fp16-no-flatten-grads",
-        *fp16_exact_start, "--load-checkpoint-on-all-dp-ranks", updates=FP16_REDUCE_UPDATES,
-        plugin=False), module="stock_trusting", env={
+        corpus, tmp_path / "stock", *stock_ddp(r, 2), *NO_WORKER, *ADAM, "--fp16",
+        "--fp16-no-flatten-grads", *fp16_exact_start, "--load-checkpoint-on-all-dp-ranks",
+        updates=FP16_REDUCE_UPDATES, plugin=False), module="stock_trusting", env={
             "PYTHONPATH": str(REPO / "tests" / "probes"), "TRUSTED_CHECKPOINTS": trusted}))
     for run in (ours, fp32_reduce, stock):
         assert_no_overflow(run)  # else the runs would skip different updates

@@ -28,14 +28,15 @@ def series(output, key):
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory):
     """2-rank runs of the tiny model, each made once and shared by the tests that compare
-    them: runs(name, *flags, updates=N, stock=False, save=False) -> rank 0's output; a run
+    them: runs(*flags, updates=N, stock=False, save=False, ranks=2) -> rank 0's output (ranks=1:
+    a stock run on one process); a run
     with save=True keeps its checkpoints in runs.save_dirs[flags] (the twin's below, in
     runs.save_dirs[(*flags, OTHER_DRAWS)]); other_draws=True: the same run with other random
     numbers for the stochastic rounding of Adam's moments."""
     done = {}
 
-    def run(*flags, updates, stock=False, save=False, other_draws=False):
-        key = (tuple(map(str, flags)), updates, stock, save, other_draws)
+    def run(*flags, updates, stock=False, save=False, other_draws=False, ranks=2):
+        key = (tuple(map(str, flags)), updates, stock, save, other_draws, ranks)
         if key not in done:
             save_dir = tmp_path_factory.mktemp("run")
             # other_draws: the moments' stochastic rounding draws other numbers
@@ -48,10 +49,13 @@ def runs(corpus, tmp_path_factory):
             # tests/scenarios.py's stock runs). A saved FSDP2 run writes no consolidated export
             # (--fsdp2-no-consolidate): the tests read its shards (saved_moments, the fp16
             # moments' resume), never the export
+            # ranks=1 (stock only): fairseq alone on one process, no distributed flags
             ours = [*FSDP2, *(["--fsdp2-no-consolidate"] if save else [])]
-            done[key] = ok(run_ranks(2, lambda r: train_args_for(
-                corpus, save_dir, *([*stock_ddp(r, 2), *NO_WORKER] if stock else ours), *flags,
-                updates=updates, save=save, plugin=not stock), **probe))
+            done[key] = ok(run_ranks(ranks, lambda r: train_args_for(
+                corpus, save_dir, *((stock_ddp(r, 2) if ranks > 1 else []) + NO_WORKER
+                                    if stock else ours), *flags,
+                updates=updates, save=save, plugin=not stock), torchrun_env=ranks > 1,
+                **probe))
             if save:
                 run.save_dirs[key[0] + ((OTHER_DRAWS,) if other_draws else ())] = save_dir
         return done[key]
@@ -67,31 +71,42 @@ ADAM = ["--optimizer", "adam", "--lr", "1e-3"]
 #: (FP32_REORDERED), and --clip-norm clips within them (asserted)
 ADAM_UPDATES = 10
 #: SGD, with 2 micro-batches per update that FSDP2 reduces once (no sync on the first): the
-#: second stock comparison, which test_update_freq_without_sync_equals_stock shares
-SGD_UPDATE_FREQ = ["--optimizer", "sgd", "--lr", "0.5", "--update-freq", "2"]
+#: second stock comparison, which test_update_freq_without_sync_equals_stock shares. Its stock
+#: run is fairseq alone on one process with --update-freq 4 (SGD_ONE_RANK), where 2 ranks x
+#: --update-freq 2 sum the same 4 batches per update: fairseq deals each epoch's shuffled
+#: batches round-robin to the ranks (rank r gets batches r, r + 2, ...), so update n sums batches
+#: 4n-4 .. 4n-1 in both (FP32_REORDERED). --dropout 0 on both sides: fairseq seeds dropout per
+#: update alike on every rank, so each rank's first micro-batch draws the same masks, where one
+#: rank draws its 2nd to 4th micro-batches' after the 1st's (UPDATE_FREQ_4's note; dropout with
+#: 2-rank stock DDP: the Adam comparison)
+SGD = ["--optimizer", "sgd", "--lr", "0.5", "--dropout", "0"]
+SGD_UPDATE_FREQ = [*SGD, "--update-freq", "2"]
+SGD_ONE_RANK = [*SGD, "--update-freq", "4"]
 NO_SYNC = ["--fsdp2-no-sync-micro-batches"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer, ours, updates",
-                         [(ADAM, [], ADAM_UPDATES), (SGD_UPDATE_FREQ, NO_SYNC, 8)],
+@pytest.mark.parametrize("ours, stock, stock_ranks, updates",
+                         [(ADAM, ADAM, 2, ADAM_UPDATES),
+                          ([*SGD_UPDATE_FREQ, *NO_SYNC], SGD_ONE_RANK, 1, 8)],
                          ids=["adam", "sgd-update-freq-2"])
-def test_fsdp2_equals_stock_legacy_ddp(runs, optimizer, ours, updates):
-    """Per-update loss and (clipped) gnorm equal fairseq's own 2-rank DDP on the same data
-    (float32; the sums are ordered differently: FP32_REORDERED): Adam, and SGD accumulating
-    2 micro-batches per update."""
-    got = runs(*optimizer, *ours, updates=updates)
-    stock = runs(*optimizer, updates=updates, stock=True, save=optimizer is ADAM)
-    assert_runs_close(got, stock, FP32_REORDERED, updates)
+def test_fsdp2_equals_stock_legacy_ddp(runs, ours, stock, stock_ranks, updates):
+    """Per-update loss and (clipped) gnorm equal stock fairseq's on the same data (float32;
+    the sums are ordered differently: FP32_REORDERED): Adam against fairseq's own 2-rank DDP,
+    and SGD accumulating 2 micro-batches per update on 2 ranks against stock on one process
+    summing the same 4 batches per update (SGD_ONE_RANK)."""
+    got = runs(*ours, updates=updates)
+    theirs = runs(*stock, updates=updates, stock=True, save=stock is ADAM, ranks=stock_ranks)
+    assert_runs_close(got, theirs, FP32_REORDERED, updates)
     assert max(series(got, "clip")) == 100  # --clip-norm really clipped some updates
 
 
 def test_update_freq_without_sync_equals_stock(runs):
     """--update-freq 2 --fsdp2-no-sync-micro-batches (the first micro-batch's gradients kept
-    unreduced, one reduction per update) against stock's --update-freq 2: the SGD run of
-    test_fsdp2_equals_stock_legacy_ddp, 8 updates."""
+    unreduced, one reduction per update) against stock summing the same 4 batches per update
+    (SGD_ONE_RANK): the SGD runs of test_fsdp2_equals_stock_legacy_ddp, 8 updates."""
     ours = runs(*SGD_UPDATE_FREQ, *NO_SYNC, updates=8)
-    stock = runs(*SGD_UPDATE_FREQ, updates=8, stock=True)
+    stock = runs(*SGD_ONE_RANK, updates=8, stock=True, ranks=1)
     assert_runs_close(ours, stock, FP32_REORDERED, 8)
 
 

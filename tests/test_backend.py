@@ -177,7 +177,7 @@ def test_single_process_without_torchrun(one_rank_stock_path):
 def test_legacy_nllb_flags_run_on_fsdp2(train_args):
     out = ok(run_ranks(2, lambda r: train_args(
         "--ddp-backend", "fully_sharded", "--min-params-to-wrap", "100000000",
-        "--no-reshard-after-forward", updates=4)))
+        "--no-reshard-after-forward", *NO_WORKER, updates=4)))
     assert "--ddp-backend fully_sharded is served by PyTorch FSDP2" in out
     assert "wraps no layer" in out  # the 1e8 threshold keeps every layer in the root
     assert not said_twice(out), said_twice(out)  # the warning once, as a log record

@@ -14,10 +14,10 @@ from numerics import (FP16_MOMENT, FP32_REORDERED, U16, U32, U_BF16, assert_runs
 from scenarios import NO_WORKER, is_adam_moment, shard_tensors
 
 #: NO_WORKER: the batches read in the rank's process, in the order fairseq's default worker gives
-#: them (every FSDP2 run here alike; the stock runs keep fairseq's default): no data-loader process
-#: per rank, and no wait for one at the end (a saved fine-tune's export in rank 0 waited up to
-#: torch's 5 s MP_STATUS_CHECK_INTERVAL for the worker of a data loader collected during it:
-#: tests/test_adam_stats_8bit.py)
+#: them (every run here alike, the stock runs too, as tests/scenarios.py's): no data-loader
+#: process per rank, and no wait for one at the end (a saved fine-tune's export in rank 0 waited
+#: up to torch's 5 s MP_STATUS_CHECK_INTERVAL for the worker of a data loader collected during
+#: it: tests/test_adam_stats_8bit.py)
 FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", *NO_WORKER]
 
 
@@ -28,14 +28,15 @@ def series(output, key):
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory):
     """2-rank runs of the tiny model, each made once and shared by the tests that compare
-    them: runs(name, *flags, updates=N, stock=False, save=False) -> rank 0's output; a run
+    them: runs(*flags, updates=N, stock=False, save=False, ranks=2) -> rank 0's output (ranks=1:
+    a stock run on one process); a run
     with save=True keeps its checkpoints in runs.save_dirs[flags] (the twin's below, in
     runs.save_dirs[(*flags, OTHER_DRAWS)]); other_draws=True: the same run with other random
     numbers for the stochastic rounding of Adam's moments."""
     done = {}
 
-    def run(*flags, updates, stock=False, save=False, other_draws=False):
-        key = (tuple(map(str, flags)), updates, stock, save, other_draws)
+    def run(*flags, updates, stock=False, save=False, other_draws=False, ranks=2):
+        key = (tuple(map(str, flags)), updates, stock, save, other_draws, ranks)
         if key not in done:
             save_dir = tmp_path_factory.mktemp("run")
             # other_draws: the moments' stochastic rounding draws other numbers
@@ -43,10 +44,18 @@ def runs(corpus, tmp_path_factory):
             # steps' gradient and reduction dtypes (tests/probes/step_dtypes.py: values
             # unchanged)
             probe = other_rounding_draws() if other_draws else {} if stock else STEP_DTYPES
-            # stock: fairseq alone, no --user-dir (conftest.train_args_for)
-            done[key] = ok(run_ranks(2, lambda r: train_args_for(
-                corpus, save_dir, *(stock_ddp(r, 2) if stock else FSDP2), *flags,
-                updates=updates, save=save, plugin=not stock), **probe))
+            # stock: fairseq alone, no --user-dir (conftest.train_args_for), its batches read
+            # in the rank's process too (NO_WORKER: the same batches in the same order, as
+            # tests/scenarios.py's stock runs). A saved FSDP2 run writes no consolidated export
+            # (--fsdp2-no-consolidate): the tests read its shards (saved_moments, the fp16
+            # moments' resume), never the export
+            # ranks=1 (stock only): fairseq alone on one process, no distributed flags
+            ours = [*FSDP2, *(["--fsdp2-no-consolidate"] if save else [])]
+            done[key] = ok(run_ranks(ranks, lambda r: train_args_for(
+                corpus, save_dir, *((stock_ddp(r, 2) if ranks > 1 else []) + NO_WORKER
+                                    if stock else ours), *flags,
+                updates=updates, save=save, plugin=not stock), torchrun_env=ranks > 1,
+                **probe))
             if save:
                 run.save_dirs[key[0] + ((OTHER_DRAWS,) if other_draws else ())] = save_dir
         return done[key]
@@ -62,31 +71,42 @@ ADAM = ["--optimizer", "adam", "--lr", "1e-3"]
 #: (FP32_REORDERED), and --clip-norm clips within them (asserted)
 ADAM_UPDATES = 10
 #: SGD, with 2 micro-batches per update that FSDP2 reduces once (no sync on the first): the
-#: second stock comparison, which test_update_freq_without_sync_equals_stock shares
-SGD_UPDATE_FREQ = ["--optimizer", "sgd", "--lr", "0.5", "--update-freq", "2"]
+#: second stock comparison, which test_update_freq_without_sync_equals_stock shares. Its stock
+#: run is fairseq alone on one process with --update-freq 4 (SGD_ONE_RANK), where 2 ranks x
+#: --update-freq 2 sum the same 4 batches per update: fairseq deals each epoch's shuffled
+#: batches round-robin to the ranks (rank r gets batches r, r + 2, ...), so update n sums batches
+#: 4n-4 .. 4n-1 in both (FP32_REORDERED). --dropout 0 on both sides: fairseq seeds dropout per
+#: update alike on every rank, so each rank's first micro-batch draws the same masks, where one
+#: rank draws its 2nd to 4th micro-batches' after the 1st's (UPDATE_FREQ_4's note; dropout with
+#: 2-rank stock DDP: the Adam comparison)
+SGD = ["--optimizer", "sgd", "--lr", "0.5", "--dropout", "0"]
+SGD_UPDATE_FREQ = [*SGD, "--update-freq", "2"]
+SGD_ONE_RANK = [*SGD, "--update-freq", "4"]
 NO_SYNC = ["--fsdp2-no-sync-micro-batches"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer, ours, updates",
-                         [(ADAM, [], ADAM_UPDATES), (SGD_UPDATE_FREQ, NO_SYNC, 8)],
+@pytest.mark.parametrize("ours, stock, stock_ranks, updates",
+                         [(ADAM, ADAM, 2, ADAM_UPDATES),
+                          ([*SGD_UPDATE_FREQ, *NO_SYNC], SGD_ONE_RANK, 1, 8)],
                          ids=["adam", "sgd-update-freq-2"])
-def test_fsdp2_equals_stock_legacy_ddp(runs, optimizer, ours, updates):
-    """Per-update loss and (clipped) gnorm equal fairseq's own 2-rank DDP on the same data
-    (float32; the sums are ordered differently: FP32_REORDERED): Adam, and SGD accumulating
-    2 micro-batches per update."""
-    got = runs(*optimizer, *ours, updates=updates)
-    stock = runs(*optimizer, updates=updates, stock=True, save=optimizer is ADAM)
-    assert_runs_close(got, stock, FP32_REORDERED, updates)
+def test_fsdp2_equals_stock_legacy_ddp(runs, ours, stock, stock_ranks, updates):
+    """Per-update loss and (clipped) gnorm equal stock fairseq's on the same data (float32;
+    the sums are ordered differently: FP32_REORDERED): Adam against fairseq's own 2-rank DDP,
+    and SGD accumulating 2 micro-batches per update on 2 ranks against stock on one process
+    summing the same 4 batches per update (SGD_ONE_RANK)."""
+    got = runs(*ours, updates=updates)
+    theirs = runs(*stock, updates=updates, stock=True, save=stock is ADAM, ranks=stock_ranks)
+    assert_runs_close(got, theirs, FP32_REORDERED, updates)
     assert max(series(got, "clip")) == 100  # --clip-norm really clipped some updates
 
 
 def test_update_freq_without_sync_equals_stock(runs):
     """--update-freq 2 --fsdp2-no-sync-micro-batches (the first micro-batch's gradients kept
-    unreduced, one reduction per update) against stock's --update-freq 2: the SGD run of
-    test_fsdp2_equals_stock_legacy_ddp, 8 updates."""
+    unreduced, one reduction per update) against stock summing the same 4 batches per update
+    (SGD_ONE_RANK): the SGD runs of test_fsdp2_equals_stock_legacy_ddp, 8 updates."""
     ours = runs(*SGD_UPDATE_FREQ, *NO_SYNC, updates=8)
-    stock = runs(*SGD_UPDATE_FREQ, updates=8, stock=True)
+    stock = runs(*SGD_ONE_RANK, updates=8, stock=True, ranks=1)
     assert_runs_close(ours, stock, FP32_REORDERED, 8)
 
 
@@ -96,7 +116,10 @@ def test_torchrun_without_distributed_flags(train_args, tmp_path):
     fresh interpreters and all, runs in tests/test_nllb_finetune.py.)"""
     agent = start_torchrun(["--nproc_per_node", "2", "--master_port", free_port(),
                             *FORKED_WORKER, "fairseq_cli.train",
-                            *train_args(*FSDP2, "--log-interval", "2", save=True, updates=6)],
+                            # saved: the run writes memory.jsonl into its save dir (none
+                            # with --no-save); no test reads its export
+                            *train_args(*FSDP2, "--log-interval", "2", "--fsdp2-no-consolidate",
+                                        save=True, updates=6)],
                            str(tmp_path / "torchrun.log"))
     agent.wait(240)
     out = agent.output()
@@ -154,7 +177,7 @@ def test_single_process_without_torchrun(one_rank_stock_path):
 def test_legacy_nllb_flags_run_on_fsdp2(train_args):
     out = ok(run_ranks(2, lambda r: train_args(
         "--ddp-backend", "fully_sharded", "--min-params-to-wrap", "100000000",
-        "--no-reshard-after-forward", updates=4)))
+        "--no-reshard-after-forward", *NO_WORKER, updates=4)))
     assert "--ddp-backend fully_sharded is served by PyTorch FSDP2" in out
     assert "wraps no layer" in out  # the 1e8 threshold keeps every layer in the root
     assert not said_twice(out), said_twice(out)  # the warning once, as a log record
@@ -383,12 +406,12 @@ def test_fp16_reduction_equals_stock_fp16_within_the_rounding_of_the_reduced_gra
     # stock fairseq alone reads the test's own checkpoint through tests/probes/stock_trusting.py
     # (torch's weights_only refuses what fairseq pickles; the plugin's allow-list is not loaded
     # on the reference side), each rank reading it; --fp16-no-flatten-grads: as in
-    # test_fp16_equals_stock_fp16
+    # test_fp16_equals_stock_fp16; NO_WORKER: as the runs fixture's stock runs
     trusted = fp16_exact_start[-1]
     stock = ok(run_ranks(2, lambda r: train_args_for(
-        corpus, tmp_path / "stock", *stock_ddp(r, 2), *ADAM, "--fp16", "--fp16-no-flatten-grads",
-        *fp16_exact_start, "--load-checkpoint-on-all-dp-ranks", updates=FP16_REDUCE_UPDATES,
-        plugin=False), module="stock_trusting", env={
+        corpus, tmp_path / "stock", *stock_ddp(r, 2), *NO_WORKER, *ADAM, "--fp16",
+        "--fp16-no-flatten-grads", *fp16_exact_start, "--load-checkpoint-on-all-dp-ranks",
+        updates=FP16_REDUCE_UPDATES, plugin=False), module="stock_trusting", env={
             "PYTHONPATH": str(REPO / "tests" / "probes"), "TRUSTED_CHECKPOINTS": trusted}))
     for run in (ours, fp32_reduce, stock):
         assert_no_overflow(run)  # else the runs would skip different updates

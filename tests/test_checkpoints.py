@@ -65,10 +65,12 @@ def kill_in_save(args, save_dir, *extra) -> tuple:
 
 @pytest.fixture(scope="module")
 def killed_in_save(saved_run, tmp_path_factory):
-    """The saved run killed inside its update-4 save, and rerun: it resumes from update 2."""
+    """The saved run killed inside its update-4 save, and rerun: it resumes from update 2.
+    Without the rerun's consolidated export at its end (--fsdp2-no-consolidate): no test reads
+    it (the asynchronous twin's files are compared with the saved run's, export included)."""
     _, args, _ = saved_run
     save_dir = tmp_path_factory.mktemp("killed-sync")
-    return save_dir, *kill_in_save(args, save_dir)
+    return save_dir, *kill_in_save(args, save_dir, "--fsdp2-no-consolidate")
 
 
 @pytest.mark.slow
@@ -77,8 +79,9 @@ def test_resume_from_update_2_matches_uninterrupted(saved_run, world, update_fre
     """Every resumed update (3..UPDATES) has the uninterrupted run's loss and gradient norm. At 2
     ranks the resumed run is the rerun of the run killed inside its update-4 save
     (test_kill_during_save_leaves_previous_checkpoint_loadable): the uninterrupted run's command
-    line, resumed from update 2's checkpoint (checkpoint_last.pt, a copy of
-    checkpoint_1_2.pt); at 1 and 4 ranks, --restore-file checkpoint_1_2.pt."""
+    line (without the export at its end), resumed from update 2's checkpoint
+    (checkpoint_last.pt, a copy of checkpoint_1_2.pt); at 1 and 4 ranks, --restore-file
+    checkpoint_1_2.pt."""
     root, args, full = saved_run
     if world == 2:
         out = request.getfixturevalue("killed_in_save")[-1]
@@ -183,20 +186,23 @@ def test_tied_embedding_is_stored_once(saved_run):
 
 def test_shards_of_deleted_checkpoints_are_collected(train_args, tmp_path):
     """fairseq deletes checkpoints beyond --keep-interval-updates 2 after each save; the next
-    save removes their shard directories and keeps the ones still referenced."""
+    save removes their shard directories and keeps the ones still referenced. 4 updates, a save
+    each: the first checkpoint deleted by fairseq (after save 3) is collected at save 4, the
+    one deleted after save 4 still waits (was 6 updates: two more saves collecting one
+    directory each, the same code)."""
     save_dir = tmp_path / "ckpt"
     ok(run_ranks(1, lambda r: train_args(*FSDP2, "--save-interval-updates", 1,
                                          "--keep-interval-updates", 2, "--no-epoch-checkpoints",
-                                         "--fsdp2-no-consolidate", save=True, updates=6)))
+                                         "--fsdp2-no-consolidate", save=True, updates=4)))
     files = sorted(f for f in os.listdir(save_dir) if f.endswith(".pt"))
-    assert files == ["checkpoint_1_5.pt", "checkpoint_1_6.pt", "checkpoint_last.pt"], files
+    assert files == ["checkpoint_1_3.pt", "checkpoint_1_4.pt", "checkpoint_last.pt"], files
     referenced = {torch.load(save_dir / f, weights_only=True)["fsdp2"]["shards"] for f in files}
     present = {os.path.join("fsdp2_shards", d) for d in os.listdir(save_dir / "fsdp2_shards")}
     updates = {int(d.split("/u")[1].split("-")[0]) for d in present}
     assert referenced <= present  # the checkpoints kept still have their shards
-    # checkpoint_1_1 .. 1_3 were deleted by fairseq and collected at a later save; 1_4 was
-    # deleted after the last save, so its directory waits for the next one
-    assert updates == {4, 5, 6}, sorted(present)
+    # checkpoint_1_1 was deleted by fairseq and collected at a later save; 1_2 was deleted
+    # after the last save, so its directory waits for the next one
+    assert updates == {2, 3, 4}, sorted(present)
     assert len(present - referenced) == 1
 
 
@@ -264,9 +270,10 @@ def test_consolidated_export_equals_stock_fairseq_and_stock_generate_reads_it(sa
         a["encoder.embed_tokens.weight"].data_ptr()  # tied, as fairseq stores it
 
     def generate(path, *extra):  # fairseq-generate (forked: see launcher.run_command)
+        # NO_WORKER: the batches read in generate's own process, in the same order
         proc = run_command("fairseq_cli.generate", corpus, "--path", path, "--gen-subset",
-                           "valid", "--beam", "2", "--max-tokens", "2000", "--cpu", *SHORT_GENERATION,
-                           *extra)
+                           "valid", "--beam", "2", "--max-tokens", "2000", "--cpu", *NO_WORKER,
+                           *SHORT_GENERATION, *extra)
         assert proc.returncode == 0, proc.output[-2000:]
         # id and hypothesis (scores may differ in the last float digit)
         hyps = sorted((l.split("\t")[0], l.split("\t")[2]) for l in proc.output.splitlines()

@@ -90,7 +90,7 @@ NO_SYNC = ["--fsdp2-no-sync-micro-batches"]
                          [(ADAM, ADAM, 2, ADAM_UPDATES),
                           ([*SGD_UPDATE_FREQ, *NO_SYNC], SGD_ONE_RANK, 1, 8)],
                          ids=["adam", "sgd-update-freq-2"])
-def test_fsdp2_equals_stock_legacy_ddp(runs, ours, stock, stock_ranks, updates):
+def test_fsdp2_equals_stock_fairseq(runs, ours, stock, stock_ranks, updates):
     """Per-update loss and (clipped) gnorm equal stock fairseq's on the same data (float32;
     the sums are ordered differently: FP32_REORDERED): Adam against fairseq's own 2-rank DDP,
     and SGD accumulating 2 micro-batches per update on 2 ranks against stock on one process
@@ -104,7 +104,7 @@ def test_fsdp2_equals_stock_legacy_ddp(runs, ours, stock, stock_ranks, updates):
 def test_update_freq_without_sync_equals_stock(runs):
     """--update-freq 2 --fsdp2-no-sync-micro-batches (the first micro-batch's gradients kept
     unreduced, one reduction per update) against stock summing the same 4 batches per update
-    (SGD_ONE_RANK): the SGD runs of test_fsdp2_equals_stock_legacy_ddp, 8 updates."""
+    (SGD_ONE_RANK): the SGD runs of test_fsdp2_equals_stock_fairseq, 8 updates."""
     ours = runs(*SGD_UPDATE_FREQ, *NO_SYNC, updates=8)
     stock = runs(*SGD_ONE_RANK, updates=8, stock=True, ranks=1)
     assert_runs_close(ours, stock, FP32_REORDERED, 8)
@@ -343,7 +343,7 @@ def test_fp16_equals_stock_fp16(runs):
     assert_no_overflow(stock)  # else the runs would skip different updates
     assert_precision_close(per_update(ours), per_update(stock), U16, 2, FP16_UPDATES)
     # and fp16 is not fp32: the comparison above is not of two fp32 runs (the first updates of
-    # test_fsdp2_equals_stock_legacy_ddp's fp32 Adam run)
+    # test_fsdp2_equals_stock_fairseq's fp32 Adam run)
     assert per_update(ours) != per_update(first_updates(runs(*ADAM, updates=ADAM_UPDATES),
                                                         FP16_UPDATES))
 
@@ -356,7 +356,7 @@ FP16_REDUCE_UPDATES = 10
 
 @pytest.fixture(scope="module")
 def fp16_exact_start(runs, tmp_path_factory):
-    """A stock checkpoint (2-rank legacy_ddp: the Adam run of test_fsdp2_equals_stock_legacy_ddp,
+    """A stock checkpoint (2-rank legacy_ddp: the Adam run of test_fsdp2_equals_stock_fairseq,
     after its ADAM_UPDATES updates) whose weights are all fp16 numbers, for
     --finetune-from-model. Stock --fp16 halves the model before FP16Optimizer copies it to
     fp32, so its fp32 master weights start as the fp16 rounding of the initial (or loaded)
@@ -452,7 +452,7 @@ def test_bf16_against_fp32(runs, corpus, tmp_path):
     """Stock fairseq's --bf16 turns on TPU mode (fairseq/options.py: bf16 implies --tpu) and
     cannot run without torch_xla: on this CPU it fails at start, so the plugin's bf16 run is
     compared with its own fp32 run instead (the first BF16_UPDATES updates of
-    test_fsdp2_equals_stock_legacy_ddp's fp32 Adam run): only the bf16 run rounds, u = 2^-8."""
+    test_fsdp2_equals_stock_fairseq's fp32 Adam run): only the bf16 run rounds, u = 2^-8."""
     (stock,) = run_ranks(1, lambda r: train_args_for(corpus, tmp_path, "--bf16", updates=1,
                                                      plugin=False), torchrun_env=False)
     assert stock.returncode != 0 and "get_tpu_device" in stock.output, stock.output[-2000:]
@@ -607,7 +607,7 @@ def test_cpu_offload_and_activation_checkpointing_take_effect_and_equal_plain_fs
     layer's fc1 runs twice per micro-batch (forward, then recomputed in backward;
     tests/probes/flag_effects.py). And they compute the same values in the same order as the
     plain run (same dropout masks on recomputation): equal printed loss and gnorm, at each of
-    the first 5 updates of test_fsdp2_equals_stock_legacy_ddp's plain Adam run (a fixed
+    the first 5 updates of test_fsdp2_equals_stock_fairseq's plain Adam run (a fixed
     learning rate: a 5-update run's updates are the first 5 of a longer one's). A mask drawn
     again, or drawn from another generator state, differs at update 1 already; later updates
     only repeat the same code on other weights."""

@@ -83,8 +83,8 @@ def run_suite(pytest_args: list[str], imitate_avx2: bool, log: Path) -> dict:
 
 def report(run: dict, counts: dict[str, int], pytest_seconds: float, per_file: dict,
            info: dict, meta: dict) -> str:
-    imitated = (" with `" + " ".join(f"{k}={v}" for k, v in AVX2_ONLY.items()) + "` (what a CPU "
-                "without AVX-512 runs)") if meta["imitate_avx2"] else ""
+    imitated = (", with `" + " ".join(f"{k}={v}" for k, v in AVX2_ONLY.items()) + "` set (what "
+                "a CPU without AVX-512 runs)") if meta["imitate_avx2"] else ""
     lines = [BEGIN, "## The test suite's time", "",
              f"Command: `{meta['command']}` ({meta['date']}): `scripts/test.sh` once, as CI runs "
              f"it{imitated}. Machine: {info['cpu']}, {info['cores']} cores; Python "

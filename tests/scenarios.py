@@ -24,8 +24,13 @@ from launcher import finish_ranks, ok, run_ranks, start_ranks
 from numerics import FP32_REORDERED, printed_close
 
 #: --num-workers 0 (both backends): the batches are read in the rank's own process, in the same
-#: order as by fairseq's default data-loader worker, which costs a process per rank and epoch
+#: order as by fairseq's default data-loader worker, which costs a process per rank and epoch;
+#: and no wait for it at the end of a saved run (in the tests' forked ranks, a garbage
+#: collection during rank 0's export shut the finished data loader down, which waited torch's
+#: 5 s MP_STATUS_CHECK_INTERVAL for its worker)
 NO_WORKER = ["--num-workers", "0"]
+#: the plugin's backend, every layer a unit, batches read in the rank's process: the FSDP2 flags
+#: of most test files
 FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", *NO_WORKER]
 PROBES = str(REPO / "tests" / "probes")
 REL = FP32_REORDERED  # fsdp2 vs legacy_ddp, or another world size (test_fairseq_compat.py)

@@ -42,7 +42,7 @@ from launcher import ok, run_command, run_ranks
 from moment_bounds import (assert_8_bit_second_moment_decays, assert_8_bit_steps_within_bound,
                            gap_of)
 from numerics import U32, assert_within_noise, per_update
-from scenarios import NO_WORKER, is_adam_moment, shard_tensors
+from scenarios import FSDP2, is_adam_moment, shard_tensors
 
 from fairseq_fsdp2.optimizer.moments.blockwise_8bit import (BLOCK, dequantize, dynamic_map,
                                                             quantize)
@@ -134,11 +134,9 @@ def test_8_bit_second_moment_decays_as_in_float32():
 
 # -- fairseq-train ------------------------------------------------------------------------------
 
-#: NO_WORKER: the batches read in the rank's process, in the order of fairseq's default worker
-#: (every run here alike). With a worker, rank 0's export at the end of a saved run stalled 5 s:
-#: garbage collection during DCP's metadata read shut the finished data loader down, which
-#: waited torch's MP_STATUS_CHECK_INTERVAL for its worker (3 saved runs: 15 s idle; 11 workers)
-FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", *NO_WORKER]
+# FSDP2 (tests/scenarios.py) reads the batches in the rank's process: with a data-loader worker,
+# rank 0's export at the end of a saved run here stalled 5 s (NO_WORKER's note; 3 saved runs:
+# 15 s idle)
 #: the tiny model (conftest.TINY_MODEL) at width 64: its attention projections (64 x 64), FFN
 #: (128 x 64) and embedding (88 x 64) reach 8 bits' 4096 elements; biases and norms stay float32
 WIDER = ["--encoder-embed-dim", "64", "--decoder-embed-dim", "64",

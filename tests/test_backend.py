@@ -11,14 +11,10 @@ from launcher import (FORKED_WORKER, free_port, ok, run_command, run_ranks, said
 from numerics import (FP16_MOMENT, FP32_REORDERED, U16, U32, U_BF16, assert_runs_close,
                       assert_within_noise, first_updates, moment_rounding_step_error,
                       per_update, printed_close, printed_half_unit)
-from scenarios import NO_WORKER, is_adam_moment, shard_tensors
+from scenarios import FSDP2, NO_WORKER, is_adam_moment, shard_tensors
 
-#: NO_WORKER: the batches read in the rank's process, in the order fairseq's default worker gives
-#: them (every run here alike, the stock runs too, as tests/scenarios.py's): no data-loader
-#: process per rank, and no wait for one at the end (a saved fine-tune's export in rank 0 waited
-#: up to torch's 5 s MP_STATUS_CHECK_INTERVAL for the worker of a data loader collected during
-#: it: tests/test_adam_stats_8bit.py)
-FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", *NO_WORKER]
+# FSDP2 and the stock runs read the batches in the rank's process (NO_WORKER, as
+# tests/scenarios.py's runs): every run here alike
 
 
 def series(output, key):
@@ -52,7 +48,7 @@ def runs(corpus, tmp_path_factory):
             # ranks=1 (stock only): fairseq alone on one process, no distributed flags
             ours = [*FSDP2, *(["--fsdp2-no-consolidate"] if save else [])]
             done[key] = ok(run_ranks(ranks, lambda r: train_args_for(
-                corpus, save_dir, *((stock_ddp(r, 2) if ranks > 1 else []) + NO_WORKER
+                corpus, save_dir, *((stock_ddp(r, ranks) if ranks > 1 else []) + NO_WORKER
                                     if stock else ours), *flags,
                 updates=updates, save=save, plugin=not stock), torchrun_env=ranks > 1,
                 **probe))

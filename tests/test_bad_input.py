@@ -18,11 +18,11 @@ import fairseq_fsdp2  # noqa: F401  (allow-lists the classes fairseq pickles for
 
 from conftest import PLUGIN, REPO, TINY_MODEL, TRAINING, tmpfs
 from launcher import run_ranks
+from scenarios import FSDP2
 
 from fairseq_fsdp2.checkpoint.export import consolidate
 from fairseq_fsdp2.command_line import before_torchrun
 
-FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", "--num-workers", "0"]
 PROBES = str(REPO / "tests" / "probes")
 HYDRA = "fairseq_fsdp2.hydra_train"
 

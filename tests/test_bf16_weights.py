@@ -21,7 +21,7 @@ from fairseq_fsdp2.hf.nllb_weights import FAIRSEQ_VERSIONS, HFWeights
 from launcher import ok, run_command, run_ranks
 from moment_bounds import assert_bf16_weight_update_law
 from numerics import NOISE_FACTOR, NOISE_REACH, assert_within_noise, per_update, spread
-from scenarios import NO_WORKER, is_adam_moment, shard_tensors
+from scenarios import FSDP2, is_adam_moment, shard_tensors
 
 
 @pytest.mark.parametrize("stats", ["fp32", "bf16", "8bit"])
@@ -44,11 +44,6 @@ def test_weight_update_rounds_stochastically_unbiased_within_its_gap(stats):
 
 # -- fairseq-train ------------------------------------------------------------------------------
 
-#: NO_WORKER: the batches read in the rank's process, in the order fairseq's default worker
-#: gives them (every run here alike): no data-loader process per rank, and no wait for one at
-#: the end (a saved run's export, in rank 0, waited up to torch's 5 s MP_STATUS_CHECK_INTERVAL
-#: for the worker of a data loader collected during it: tests/test_adam_stats_8bit.py)
-FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", *NO_WORKER]
 #: the trained model: 10 updates of the tiny model at lr 3e-3 on one rank, with bf16 weights
 #: (so that the float32-master run starts from the very weights the bf16 runs do: bf16 values
 #: are float32 values). Trained past its initialization and still learning: the fine-tuning

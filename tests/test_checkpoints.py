@@ -14,12 +14,8 @@ from conftest import REPO, SHORT_GENERATION
 from launcher import ok, run_command, run_ranks, train_inner, train_summary
 from numerics import (FP32_REORDERED, assert_runs_close, clipped_norms, per_update,
                       printed_close, printed_half_unit, sgd_reordered_bound)
-from scenarios import shard_tensors
+from scenarios import FSDP2, NO_WORKER, assert_resumed_exactly, shard_tensors
 
-#: --num-workers 0: the batches are read in the rank's own process, in the same order as by
-#: fairseq's default data-loader worker, which costs a process per rank and epoch (0.1 CPU-s)
-NO_WORKER = ["--num-workers", "0"]
-FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", *NO_WORKER]
 # no dropout: fairseq seeds dropout per update (same on every rank), so masks depend on how
 # an update is split over ranks and micro-batches; without it every world size is one model
 EXACT = ["--dropout", "0", "--max-tokens", "200", "--save-interval-updates", "2"]
@@ -334,9 +330,7 @@ def test_kill_during_save_leaves_previous_checkpoint_loadable(saved_run, killed_
     assert "Loaded checkpoint" in out and train_inner(out)[0]["num_updates"] == "3"
     assert not [d for d in os.listdir(save_dir / "fsdp2_shards") if d.endswith(".tmp")]
     # the same ranks and batches resume bit for bit: every resumed update prints the same
-    got, want = per_update(out), per_update(saved_run[2])
-    assert sorted(got) == list(range(3, UPDATES + 1)) and all(got[n] == want[n] for n in got), \
-        (got, want)
+    assert_resumed_exactly(per_update(out), per_update(saved_run[2]), 3, UPDATES)
 
 
 ASYNC = "--write-checkpoints-asynchronously"
@@ -372,9 +366,7 @@ def test_asynchronous_saves_train_and_resume_as_synchronous_ones(saved_run,
     before_kill = per_update(killed[0].output)
     assert sorted(before_kill) in (list(range(1, 5)), list(range(1, 6))), sorted(before_kill)
     assert all(before_kill[n] == want[n] for n in before_kill), (before_kill, want)
-    got = per_update(resumed)
-    assert sorted(got) == list(range(3, UPDATES + 1)) and all(got[n] == want[n] for n in got), \
-        (got, want)
+    assert_resumed_exactly(per_update(resumed), want, 3, UPDATES)
     assert "in the background" in resumed
     names = {p.name for p in save_dir.glob("*.pt")}
     assert names == {p.name for p in (root / "run").glob("*.pt")}, names
@@ -403,9 +395,7 @@ def test_kill_during_a_background_write_leaves_the_previous_checkpoint_usable(
     assert last["optimizer_history"][-1]["num_updates"] == 2
     assert "Loaded checkpoint" in out and train_inner(out)[0]["num_updates"] == "3"
     assert not [d for d in os.listdir(save_dir / "fsdp2_shards") if d.endswith(".tmp")]
-    got, want = per_update(out), per_update(saved_run[2])
-    assert sorted(got) == list(range(3, UPDATES + 1)) and all(got[n] == want[n] for n in got), \
-        (got, want)
+    assert_resumed_exactly(per_update(out), per_update(saved_run[2]), 3, UPDATES)
 
 
 def test_the_step_after_an_asynchronous_save_waits_for_the_staging_copy():

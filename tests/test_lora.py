@@ -20,11 +20,11 @@ from conftest import PLUGIN, REPO, SHORT_GENERATION, TINY_MODEL, TRAINING
 from hf_compare import AMPLIFICATION_GUARD, LOGIT_TOL, fairseq_logits, greedy, greedy_gaps
 from launcher import finish_ranks, ok, run_command, run_ranks, start_ranks
 from numerics import FP32_REORDERED, U32, per_update, printed_close
+from scenarios import FSDP2
 
 from fairseq_fsdp2.checkpoint.export import lora_tensors
 from fairseq_fsdp2.models import lora
 
-FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", "--num-workers", "0"]
 # no dropout: masks depend on how an update is split over ranks (test_checkpoints.py)
 EXACT = ["--dropout", "0", "--max-tokens", "200"]
 LORA = ["--lora-rank", "4", "--lora-alpha", "8"]  # scaling 2: a wrong scaling shows

@@ -28,11 +28,8 @@ import torch
 from conftest import REPO, STEP_DTYPES, steps_seen, train_args_for
 from launcher import ok, run_ranks, train_inner
 from numerics import per_update
-from scenarios import NO_WORKER
+from scenarios import FSDP2
 
-#: NO_WORKER: the batches read in the rank's process, in the order of fairseq's default worker
-#: (every run here alike): no data-loader process per rank
-FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", *NO_WORKER]
 WIDE = ["--fsdp2-fp32-grad-shards"]
 KEPT = "gradient shards kept in the reduce dtype"
 #: 3 updates: the first steps from no stored moment, the next two from stored ones, as every

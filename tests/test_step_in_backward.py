@@ -27,11 +27,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from conftest import STEP_DTYPES, steps_seen, train_args_for
 from launcher import ok, run_ranks
 from numerics import per_update
-from scenarios import NO_WORKER
+import scenarios
 
-#: NO_WORKER: the batches read in the rank's process, in the order of fairseq's default worker
-#: (every run here alike): no data-loader process per rank
-FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", "--clip-norm", "0", *NO_WORKER]
+FSDP2 = [*scenarios.FSDP2, "--clip-norm", "0"]
 FLAG = "--fsdp2-step-in-backward"
 #: 2 updates: the first steps from no stored moment, the second from the moments (and 8-bit
 #: block maxima) the first stored, as every later update would; the step in backward's own state

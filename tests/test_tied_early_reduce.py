@@ -26,10 +26,10 @@ import pytest
 from conftest import REPO, train_args_for
 from launcher import ok, run_ranks
 from numerics import U16, assert_runs_close
+from scenarios import FSDP2
 
 from fairseq_fsdp2.sharding.tied_grad_reduce import sparse_fits
 
-FSDP2 = ["--ddp-backend", "fsdp2", "--min-params-to-wrap", "1", "--num-workers", "0"]
 PROBES = str(REPO / "tests" / "probes")
 
 

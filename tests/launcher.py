@@ -118,7 +118,6 @@ class ForkServer:
         # idle, minutes on a loaded 2-core machine; a dead server is reported at once instead
         return Forked(self, key, self._wait_for(key, "pid", 900), out)
 
-
     def close(self) -> None:
         """End the server (the end of its input) and wait for it, so that its CPU time and its
         children's count in this process's (``resource.RUSAGE_CHILDREN``, which

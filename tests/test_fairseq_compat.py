@@ -212,9 +212,9 @@ def multilingual(tmp_path_factory):
     transformer_nllb_tiny's attention dropout 0.1, in both runs; that default is checked in
     tests/test_nllb_archs.py): the resume on 1 rank x --update-freq 2 draws its second
     micro-batch's masks from the first's stream, where each of 2 ranks starts its own (module
-    docstring). Virtual epochs of 300 sampled
-    sentences (6 updates at 2 ranks: epoch 1 is updates 1-6); a save every 3 updates, so update
-    9 is mid virtual epoch 2 (the resumed runs start there)."""
+    docstring). Virtual epochs of 300 sampled sentences (6 updates at 2 ranks: epoch 1 is
+    updates 1-6); a save every 3 updates, so update 9 is mid virtual epoch 2 (the resumed runs
+    start there)."""
     root = tmp_path_factory.mktemp("multilingual")
     numbers.write_corpus(root / "raw", PAIRS, n_train=300, n_valid=10, n_test=10, seed=2)
     data = prepare(root / "raw", root / "data", vocab_size=120, log=lambda *a: None)
@@ -227,8 +227,7 @@ def multilingual(tmp_path_factory):
                 "--encoder-langtok", "src", "--decoder-langtok", "--lang-tok-style",
                 "multilingual", "--sampling-method", "temperature", "--sampling-temperature", 5,
                 "--virtual-epoch-size", 300, "--dropout", 0, "--attention-dropout", 0, *BASE,
-                "--max-tokens", 600,
-                "--log-format", "json", "--disable-validation", "--max-update", 10,
+                "--max-tokens", 600, "--log-format", "json", "--disable-validation", "--max-update", 10,
                 "--save-interval-updates", 3, "--save-dir", save]
     return Scenario(root, args, "multilingual", stock_model=STOCK_NLLB_TINY)
 

@@ -250,6 +250,7 @@ def main() -> None:
         reports["2"] = checks(DeviceMesh.from_group(pair, "cpu"))
     report_and_exit(reports, print_here=dist.get_rank() == 0)
 
+
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
